@@ -1,0 +1,81 @@
+"""Seeded random projections A_l(k) and the zero sketch probe B_l (ALGORITHM.md §2–3).
+
+A projection is never stored. It is regenerated wherever it is needed (the forward pass of a
+target layer, the optimizer's merge ΔW = −η·D·A, the rollout engine's receiver) from
+
+    key(l, k, i) = fold_in(fold_in(fold_in(PRNGKey(seed), layer_id(path_l)), k), i)
+
+where ``path_l`` is the target's parameter path (e.g. ``"layers/attn/q_proj/kernel"``), ``k`` the
+update index and ``i`` the index of the layer inside a stacked (scanned) weight. Entries are
+±1/√r (Rademacher) or N(0, 1/r) (Gaussian), so E[AᵀA] = I.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+Distribution = Literal["rademacher", "gaussian"]
+DISTRIBUTIONS: tuple[str, ...] = ("rademacher", "gaussian")
+
+
+def layer_id(path: str) -> int:
+    """A stable 31-bit id for a parameter path (same on every host, run and Python version)."""
+    return zlib.crc32(path.encode("utf-8")) & 0x7FFFFFFF
+
+
+def projection_keys(seed: int, path: str, update_index: jax.Array | int,
+                    stack_shape: tuple[int, ...] = ()) -> jax.Array:
+    """PRNG keys for A of target ``path`` at update ``update_index``.
+
+    Returns one key (``stack_shape == ()``) or an array of keys of shape ``stack_shape``, one per
+    layer of a stacked weight, so every layer of a scanned stack gets its own A.
+    """
+    key = jax.random.fold_in(jax.random.PRNGKey(seed), layer_id(path))
+    key = jax.random.fold_in(key, jnp.asarray(update_index, jnp.uint32))
+    if not stack_shape:
+        return key
+    num = 1
+    for d in stack_shape:
+        num *= d
+    keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(num, dtype=jnp.uint32))
+    return keys.reshape(stack_shape + keys.shape[1:])
+
+
+def projection(key: jax.Array, rank: int, in_dim: int, distribution: Distribution = "rademacher",
+               dtype=jnp.float32) -> jax.Array:
+    """A of shape (rank, in_dim) with E[AᵀA] = I: entries ±1/√r or N(0, 1/r)."""
+    scale = 1.0 / jnp.sqrt(jnp.asarray(rank, jnp.float32))
+    if distribution == "rademacher":
+        a = jax.random.rademacher(key, (rank, in_dim), dtype=jnp.float32)
+    elif distribution == "gaussian":
+        a = jax.random.normal(key, (rank, in_dim), dtype=jnp.float32)
+    else:
+        raise ValueError(f"distribution must be one of {DISTRIBUTIONS}, got {distribution!r}")
+    return (a * scale).astype(dtype)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SketchProbe:
+    """What a target linear layer needs to emit its gradient sketch (ALGORITHM.md §3).
+
+    ``factor`` is the zero probe parameter B (out × r) — its gradient is S = G·Aᵀ — and ``key``
+    regenerates A (r × in). For a stacked weight both carry the stack's leading dims, and a
+    ``jax.lax.scan`` over layers slices them like any other per-layer input.
+    """
+
+    key: jax.Array
+    factor: jax.Array
+    distribution: str = dataclasses.field(default="rademacher", metadata=dict(static=True))
+
+    @property
+    def rank(self) -> int:
+        return self.factor.shape[-1]
+
+    def projection(self, in_dim: int, dtype=jnp.float32) -> jax.Array:
+        return projection(self.key, self.rank, in_dim, self.distribution, dtype)

@@ -1,0 +1,22 @@
+"""Tests run on CPU with 8 simulated devices; this must happen before jax is imported anywhere."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                           " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import pathlib  # noqa: E402
+
+import pytest  # noqa: E402
+
+SHARED = pathlib.Path(__file__).resolve().parents[1].parent / "shared"
+GSM8K_DIR = SHARED / "data" / "gsm8k"
+
+
+@pytest.fixture(scope="session")
+def gsm8k_dir() -> pathlib.Path:
+    """The real GSM8K JSONL files that CI provides beside the repository."""
+    if not (GSM8K_DIR / "test.jsonl").exists():
+        pytest.skip(f"GSM8K files not found at {GSM8K_DIR} (CI provides ../shared/data/gsm8k)")
+    return GSM8K_DIR
