@@ -1,0 +1,52 @@
+"""Train a policy with LoGRA (or dense AdamW) by RL.
+
+    python -m launch.train --config configs/default.py --workdir runs/default \
+        [--config.max_steps=20] [--config.optimizer.name=adamw] ...
+
+The workdir receives metrics.jsonl, TensorBoard events and orbax checkpoints; running the same
+command again resumes from the latest complete checkpoint.
+"""
+
+import os
+import sys
+
+# CPU runs simulate a multi-device host so the sharded code path is the one a GPU node runs. This
+# must be set before jax is imported; an XLA_FLAGS that already sets a count wins.
+HOST_DEVICES = int(os.environ.get("LOGRA_HOST_DEVICES", "8"))
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               f" --xla_force_host_platform_device_count={HOST_DEVICES}").strip()
+
+from absl import app, flags, logging  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+from logra_jax import config as config_lib  # noqa: E402
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file.",
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Where metrics and checkpoints go (resumes).")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def main(argv):
+    del argv
+    from logra_jax.rl import trainer  # imports jax: after the flags above are parsed
+    trainer.train(_CONFIG.value, _WORKDIR.value)
+
+
+def check_argv(argv) -> None:
+    """Fail fast, in one line, on a missing config file or an unknown --config.* key."""
+    path = config_lib.config_path_from_argv(argv)
+    if path is None:
+        return  # absl reports the missing required flag itself
+    try:
+        config = config_lib.load_config_file(path)
+        config_lib.check_overrides(config, config_lib.override_keys(argv))
+    except (FileNotFoundError, ValueError) as e:
+        sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+    check_argv(sys.argv[1:])
+    logging.set_verbosity(logging.INFO)
+    app.run(main)

@@ -1,0 +1,61 @@
+"""Loading ml_collections config files and checking command-line overrides before absl sees them.
+
+absl's config flags report an unknown ``--config.a.b=v`` key as a bare ``AttributeError: 'b'``
+traceback; `check_overrides` turns that into one sentence naming the key and its siblings.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+from typing import Sequence
+
+import ml_collections
+
+OVERRIDE_PREFIX = "--config."
+
+
+def load_config_file(path: str | pathlib.Path) -> ml_collections.ConfigDict:
+    """Imports ``path`` and calls its ``get_config()``; a missing file is a clear error."""
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"config file {str(path)!r} does not exist")
+    spec = importlib.util.spec_from_file_location(f"_config_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not hasattr(module, "get_config"):
+        raise ValueError(f"config file {str(path)!r} has no get_config() function")
+    return module.get_config()
+
+
+def override_keys(argv: Sequence[str]) -> list[str]:
+    """The dotted keys of every ``--config.key=value`` / ``--config.key value`` argument."""
+    keys = []
+    for arg in argv:
+        if arg.startswith(OVERRIDE_PREFIX):
+            keys.append(arg[len(OVERRIDE_PREFIX):].split("=", 1)[0])
+    return keys
+
+
+def check_overrides(config: ml_collections.ConfigDict, keys: Sequence[str]) -> None:
+    """Raises ValueError for the first override key that the config does not define."""
+    for dotted in keys:
+        node = config
+        walked = []
+        for part in dotted.split("."):
+            if not isinstance(node, ml_collections.ConfigDict) or part not in node:
+                where = ".".join(walked) or "the top level"
+                known = sorted(node.keys()) if isinstance(node, ml_collections.ConfigDict) else []
+                raise ValueError(f"unknown config key {dotted!r}: {where} has no {part!r}"
+                                 + (f" (known: {', '.join(known)})" if known else ""))
+            node = node[part]
+            walked.append(part)
+
+
+def config_path_from_argv(argv: Sequence[str]) -> str | None:
+    for i, arg in enumerate(argv):
+        if arg.startswith("--config="):
+            return arg.split("=", 1)[1]
+        if arg == "--config" and i + 1 < len(argv):
+            return argv[i + 1]
+    return None

@@ -1,0 +1,82 @@
+"""Per-step metrics: one JSON object per line in ``metrics.jsonl``, TensorBoard events, a progress bar.
+
+Names follow TRL/Tunix where the concept exists (reward, kl, grad_norm, completions/mean_length …);
+LoGRA's own live under ``logra/*``, timings under ``time/*``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+from typing import Mapping
+
+import numpy as np
+
+
+def to_python(metrics: Mapping[str, object]) -> dict[str, float | int | str]:
+    """Scalars (numpy/jax) to plain Python numbers; non-finite floats stay as they are (JSON NaN)."""
+    out = {}
+    for name, value in metrics.items():
+        if isinstance(value, str):
+            out[name] = value
+            continue
+        value = np.asarray(value)
+        if value.size != 1:
+            raise ValueError(f"metric {name!r} is not a scalar (shape {value.shape})")
+        value = value.item()
+        out[name] = value if isinstance(value, (int, bool)) else float(value)
+    return out
+
+
+def read_jsonl(path: str | pathlib.Path) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+class MetricsWriter:
+    """Appends metrics to ``workdir/metrics.jsonl`` and TensorBoard; shows a progress bar.
+
+    Appending (not truncating) keeps the history of a resumed run in one file; rows from steps
+    after the checkpoint a run resumes from are dropped first, so every step appears once.
+    """
+
+    def __init__(self, workdir: str | pathlib.Path, *, total_steps: int, start_step: int = 0,
+                 tensorboard: bool = True, progress: bool = True):
+        self.workdir = pathlib.Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.path = self.workdir / "metrics.jsonl"
+        if self.path.exists():
+            kept = [row for row in read_jsonl(self.path) if row.get("step", 0) <= start_step]
+            self.path.write_text("".join(json.dumps(row) + "\n" for row in kept))
+        self._file = open(self.path, "a")
+        self._tb = None
+        if tensorboard:
+            from tensorboardX import SummaryWriter  # heavy import, only when asked for
+            self._tb = SummaryWriter(str(self.workdir / "tensorboard"))
+        self._bar = None
+        if progress:
+            from tqdm import tqdm
+            self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
+
+    def write(self, step: int, metrics: Mapping[str, object]) -> dict:
+        row = {"step": int(step), **to_python(metrics)}
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for name, value in row.items():
+                if name != "step" and isinstance(value, (int, float)) and math.isfinite(value):
+                    self._tb.add_scalar(name, value, step)
+        if self._bar is not None:
+            shown = {k: row[k] for k in ("reward", "kl", "logra/predicted_kl", "time/step")
+                     if k in row}
+            self._bar.set_postfix({k.split("/")[-1]: f"{v:.3g}" for k, v in shown.items()})
+            self._bar.update(1)
+        return row
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._bar is not None:
+            self._bar.close()
