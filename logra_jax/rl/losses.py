@@ -1,0 +1,202 @@
+"""Policy-gradient losses of the RL loop (ALGORITHM.md §7): GRPO and the KL variant's REINFORCE.
+
+Pure jax functions on arrays, jit-able; string options (``kl_estimator``, ``loss_agg_mode``) are
+static Python values. Shapes: ``b`` sequences (prompts × generations, flattened), ``t`` completion
+tokens; ``mask[b, t]`` is 1 on generated tokens that count and 0 on padding.
+
+Aggregation (``loss_agg_mode``), for per-token losses ℓ_it and mask m_it:
+    token-mean     L = Σ_it m_it ℓ_it / Σ_it m_it          every token weighs the same
+    sequence-mean  L = mean_{i: Σ_t m_it > 0} (Σ_t m_it ℓ_it / Σ_t m_it)
+                                                          every (non-empty) sequence weighs the same
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
+LOSS_AGG_MODES: tuple[str, ...] = ("token-mean", "sequence-mean")
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+
+
+def _check_nonnegative(name: str, value) -> None:
+    # Hyper-parameters may arrive as tracers (e.g. under optax.inject_hyperparams); only concrete
+    # Python numbers can be checked here.
+    if isinstance(value, (int, float)) and value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+
+
+def _check_token_shapes(mask: jax.Array, **arrays: jax.Array | None) -> None:
+    for name, array in arrays.items():
+        if array is not None and array.shape != mask.shape:
+            raise ValueError(f"{name} has shape {array.shape}, expected the mask's shape {mask.shape}")
+
+
+def _check_advantages(advantages: jax.Array, mask: jax.Array) -> None:
+    if advantages.shape != mask.shape[:1]:
+        raise ValueError(f"advantages must have one value per sequence, shape {mask.shape[:1]}, "
+                         f"got {advantages.shape}")
+
+
+def _masked_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
+    """Σ m x / Σ m, and 0 when nothing is unmasked."""
+    return jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def aggregate(per_token: jax.Array, mask: jax.Array, loss_agg_mode: str) -> jax.Array:
+    """Reduce per-token losses [b, t] to a scalar (token-mean or sequence-mean, module docstring)."""
+    _check_choice("loss_agg_mode", loss_agg_mode, LOSS_AGG_MODES)
+    mask = mask.astype(per_token.dtype)
+    if loss_agg_mode == "token-mean":
+        return _masked_mean(per_token, mask)
+    tokens = jnp.sum(mask, axis=-1)
+    per_sequence = jnp.sum(per_token * mask, axis=-1) / jnp.maximum(tokens, 1.0)
+    return _masked_mean(per_sequence, (tokens > 0).astype(per_token.dtype))
+
+
+def group_advantages(rewards: jax.Array, num_generations: int, *, scale_by_std: bool = True,
+                     eps: float = 1e-4) -> jax.Array:
+    """Group-relative advantages of GRPO.
+
+    ``rewards`` is flat [n·G], the G generations of each prompt adjacent. Within group g:
+        A_gi = r_gi − mean_j r_gj                       (scale_by_std=False)
+        A_gi = (r_gi − mean_j r_gj) / (std_j r_gj + ε)  (scale_by_std=True)
+    with the unbiased std (ddof = 1), as TRL computes it. A group whose rewards are all equal
+    gets zero advantage: it carries no learning signal.
+    """
+    if not isinstance(num_generations, int) or num_generations < 2:
+        raise ValueError(f"num_generations must be an int >= 2 for group-relative advantages, "
+                         f"got {num_generations!r}")
+    if rewards.ndim != 1 or rewards.shape[0] % num_generations:
+        raise ValueError(f"rewards must be flat with a multiple of num_generations={num_generations} "
+                         f"entries, got shape {rewards.shape}")
+    groups = rewards.astype(jnp.float32).reshape(-1, num_generations)
+    centred = groups - jnp.mean(groups, axis=1, keepdims=True)
+    if scale_by_std:
+        centred = centred / (jnp.std(groups, axis=1, ddof=1, keepdims=True) + eps)
+    return centred.reshape(-1)
+
+
+def kl_penalty(logp: jax.Array, ref_logp: jax.Array, estimator: str) -> jax.Array:
+    """Per-token estimate of KL(π_θ ‖ π_ref) from samples of π_θ (Schulman's k1/k2/k3).
+
+    With d = log π_θ − log π_ref at the sampled token:
+        k1 = d                      unbiased, high variance, can be negative
+        k2 = ½ d²                   biased, low variance
+        k3 = exp(−d) − (−d) − 1     unbiased and ≥ 0 (the GRPO default)
+    """
+    _check_choice("kl_estimator", estimator, KL_ESTIMATORS)
+    log_ratio = logp - ref_logp
+    if estimator == "k1":
+        return log_ratio
+    if estimator == "k2":
+        return 0.5 * jnp.square(log_ratio)
+    return jnp.exp(-log_ratio) + log_ratio - 1.0
+
+
+def grpo_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, mask: jax.Array, *,
+              ref_logp: jax.Array | None = None, epsilon: float = 0.2,
+              epsilon_high: float | None = None, beta: float = 0.0, kl_estimator: str = "k3",
+              loss_agg_mode: str = "token-mean") -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The GRPO objective (clipped surrogate + reference KL), as a loss to minimise.
+
+    Per token, with ratio ρ = exp(log π_θ − log π_old) and the sequence's advantage A:
+        ℓ = −min(ρ·A, clip(ρ, 1 − ε, 1 + ε_high)·A) + β·KL_est(π_θ ‖ π_ref)
+    ε_high defaults to ε (symmetric clipping; ε_high > ε is DAPO's "clip higher"). The KL term is
+    ``kl_penalty(logp, ref_logp, kl_estimator)`` and needs ``ref_logp`` when β ≠ 0. The loss is
+    ``aggregate(ℓ, mask, loss_agg_mode)``.
+
+    Metrics (token means over the mask):
+        clip_ratio/low_mean   share of tokens with ρ < 1 − ε and A < 0 (the clip stops the push down)
+        clip_ratio/high_mean  share of tokens with ρ > 1 + ε_high and A > 0
+        kl                    mean KL_est to the reference; 0 when no ``ref_logp`` is given
+    """
+    _check_choice("kl_estimator", kl_estimator, KL_ESTIMATORS)
+    _check_choice("loss_agg_mode", loss_agg_mode, LOSS_AGG_MODES)
+    _check_nonnegative("epsilon", epsilon)
+    _check_nonnegative("beta", beta)
+    epsilon_high = epsilon if epsilon_high is None else epsilon_high
+    _check_nonnegative("epsilon_high", epsilon_high)
+    _check_token_shapes(mask, logp=logp, old_logp=old_logp, ref_logp=ref_logp)
+    _check_advantages(advantages, mask)
+    if ref_logp is None and not (isinstance(beta, (int, float)) and beta == 0):
+        raise ValueError(f"beta={beta} needs ref_logp for the reference KL term; pass ref_logp "
+                         "or set beta=0")
+
+    mask = mask.astype(logp.dtype)
+    adv = advantages.astype(logp.dtype)[:, None]
+    ratio = jnp.exp(logp - old_logp)
+    clipped = jnp.clip(ratio, 1.0 - epsilon, 1.0 + epsilon_high)
+    per_token = -jnp.minimum(ratio * adv, clipped * adv)
+
+    if ref_logp is not None:
+        kl = kl_penalty(logp, ref_logp, kl_estimator)
+        per_token = per_token + beta * kl
+        mean_kl = _masked_mean(kl, mask)
+    else:
+        mean_kl = jnp.zeros((), logp.dtype)
+
+    loss = aggregate(per_token, mask, loss_agg_mode)
+    low = ((ratio < 1.0 - epsilon) & (adv < 0)).astype(logp.dtype)
+    high = ((ratio > 1.0 + epsilon_high) & (adv > 0)).astype(logp.dtype)
+    metrics = {
+        "clip_ratio/low_mean": _masked_mean(low, mask),
+        "clip_ratio/high_mean": _masked_mean(high, mask),
+        "kl": mean_kl,
+    }
+    return loss, metrics
+
+
+def reinforce_loss(logp: jax.Array, rollout_logp: jax.Array, advantages: jax.Array,
+                   mask: jax.Array, *, is_cap: float = 2.0, loss_agg_mode: str = "token-mean",
+                   ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """REINFORCE with truncated importance weights: the KL variant's loss (ALGORITHM.md §7).
+
+    The rollout engine's policy π_rollout sampled the tokens; the trainer's π_θ differs slightly
+    (numerics, stale weights). Per token, with the outcome advantage A = outcome − baseline:
+        w = sg(min(π_θ / π_rollout, is_cap)) = sg(min(exp(log π_θ − log π_rollout), is_cap))
+        ℓ = −w · A · log π_θ
+    sg = stop_gradient: the weight corrects the sampling distribution and is not differentiated,
+    so ∇ℓ = −w·A·∇log π_θ. Aggregated with ``loss_agg_mode`` (the KL variant uses token-mean).
+
+    Metrics (token means over the mask):
+        importance_weight/mean        mean w
+        importance_weight/capped_mean share of tokens whose ratio exceeded is_cap
+        rollout_mismatch              mean (log π_rollout − log π_θ): the trainer/sampler gap
+                                      that the predicted-KL controller subtracts (§6)
+    """
+    _check_choice("loss_agg_mode", loss_agg_mode, LOSS_AGG_MODES)
+    if isinstance(is_cap, (int, float)) and not is_cap > 0:
+        raise ValueError(f"is_cap must be > 0, got {is_cap}")
+    _check_token_shapes(mask, logp=logp, rollout_logp=rollout_logp)
+    _check_advantages(advantages, mask)
+
+    mask = mask.astype(logp.dtype)
+    ratio = jnp.exp(jax.lax.stop_gradient(logp) - rollout_logp)
+    weight = jnp.minimum(ratio, is_cap)
+    per_token = -weight * advantages.astype(logp.dtype)[:, None] * logp
+    loss = aggregate(per_token, mask, loss_agg_mode)
+    metrics = {
+        "importance_weight/mean": _masked_mean(weight, mask),
+        "importance_weight/capped_mean": _masked_mean((ratio > is_cap).astype(logp.dtype), mask),
+        "rollout_mismatch": _masked_mean(rollout_logp - jax.lax.stop_gradient(logp), mask),
+    }
+    return loss, metrics
+
+
+def update_baseline(baseline: jax.Array | float, outcomes: jax.Array,
+                    momentum: float = 0.9) -> jax.Array:
+    """Running baseline of the KL variant: b ← momentum·b + (1 − momentum)·mean(outcomes).
+
+    Apply AFTER computing this step's advantages (A = outcome − b uses the old b), so a response
+    never serves as its own baseline.
+    """
+    if isinstance(momentum, (int, float)) and not 0.0 <= momentum <= 1.0:
+        raise ValueError(f"momentum must lie in [0, 1], got {momentum}")
+    outcomes = jnp.asarray(outcomes, jnp.float32)
+    return momentum * jnp.asarray(baseline, jnp.float32) + (1.0 - momentum) * jnp.mean(outcomes)
