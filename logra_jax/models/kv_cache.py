@@ -1,0 +1,46 @@
+"""KVCache: the keys and values of every layer for incremental decoding, as a pytree."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """Keys/values of all layers for ``S`` slots, stacked over layers so ``lax.scan`` slices them.
+
+    k, v:  [L, b, S, kv_heads, head_dim] in the compute dtype.
+    index: int32 scalar, the next slot to write (may be traced: writes use dynamic_update_slice).
+    mask:  bool [b, S], True where a slot holds a real token (padding and unwritten slots are False).
+
+    A call with ``t`` new tokens writes slots [index, index + t) and returns a cache with
+    ``index + t``; query i (slot index + i) attends to slots j ≤ index + i with mask[j].
+    """
+
+    k: jax.Array
+    v: jax.Array
+    index: jax.Array
+    mask: jax.Array
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def batch_size(self) -> int:
+        return self.k.shape[1]
+
+    @classmethod
+    def create(cls, *, num_layers: int, batch: int, max_len: int, num_kv_heads: int, head_dim: int,
+               dtype=jnp.float32) -> "KVCache":
+        """An empty cache: zero keys/values, index 0, no valid slot."""
+        if batch <= 0 or max_len <= 0:
+            raise ValueError(f"KVCache needs batch > 0 and max_len > 0, got batch={batch}, "
+                             f"max_len={max_len}")
+        shape = (num_layers, batch, max_len, num_kv_heads, head_dim)
+        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+                   index=jnp.zeros((), jnp.int32), mask=jnp.zeros((batch, max_len), bool))

@@ -1,0 +1,318 @@
+"""Llama-family decoder (SmolLM2, Llama, Qwen2) in Flax NNX, with a scanned layer stack.
+
+    h   = x + Attn(RMSNorm(x))          Attn: RoPE, grouped-query heads, causal + padding mask
+    out = h + MLP(RMSNorm(h))           MLP(x) = down(silu(gate(x)) ⊙ up(x))   (SwiGLU)
+    logits = RMSNorm(x_L) · W_head      W_head = embeddingᵀ when tied
+
+All per-layer parameters are stacked along a leading layer axis (``layers/self_attn/q_proj/kernel``
+has shape (L, in, out)) and the layer body runs under ``jax.lax.scan``, so compile time does not grow
+with depth. Parameter names follow Hugging Face (``embed_tokens``, ``self_attn.q_proj`` ...) with
+Flax leaf names (``kernel`` (in, out), ``bias``, ``embedding``, ``scale``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from logra_jax.models.config import ModelConfig
+from logra_jax.models.kv_cache import KVCache
+from logra_jax.models.linear import Linear
+from logra_jax.optim.projections import SketchProbe
+from logra_jax.sharding import get_logical_axes, set_logical_axes
+
+# The stacked linear layers a SketchProbe may target, by kernel path, and their in/out logical axes.
+LAYER_LINEARS: dict[str, tuple[str, str]] = {
+    "layers/self_attn/q_proj/kernel": ("embed", "heads"),
+    "layers/self_attn/k_proj/kernel": ("embed", "kv_heads"),
+    "layers/self_attn/v_proj/kernel": ("embed", "kv_heads"),
+    "layers/self_attn/o_proj/kernel": ("heads", "embed"),
+    "layers/mlp/gate_proj/kernel": ("embed", "mlp"),
+    "layers/mlp/up_proj/kernel": ("embed", "mlp"),
+    "layers/mlp/down_proj/kernel": ("mlp", "embed"),
+}
+
+_INIT_STD = 0.02  # Hugging Face's initializer_range for Llama/Qwen2
+
+
+def _linear(in_features: int, out_features: int, axes: tuple[str, str], config: ModelConfig, *,
+            use_bias: bool = False, rngs: nnx.Rngs) -> Linear:
+    layer = Linear(in_features, out_features, use_bias=use_bias, kernel_axes=axes,
+                   dtype=config.compute_dtype, param_dtype=config.weight_dtype,
+                   kernel_init=nnx.initializers.normal(_INIT_STD), rngs=rngs)
+    set_logical_axes(layer.kernel, axes)
+    if layer.bias is not None:
+        set_logical_axes(layer.bias, (axes[1],))
+    return layer
+
+
+class RMSNorm(nnx.Module):
+    """y = x / sqrt(mean(x²) + ε) ⊙ scale, normalised in fp32 and cast back (as Hugging Face does)."""
+
+    def __init__(self, dim: int, *, eps: float, dtype, param_dtype):
+        self.eps = eps
+        self.dtype = dtype
+        self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
+        set_logical_axes(self.scale, ("norm",))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.scale[...].astype(self.dtype) * normed.astype(self.dtype)
+
+
+class Embedding(nnx.Module):
+    """Token embedding table (vocab, d); also the output head when embeddings are tied."""
+
+    def __init__(self, vocab_size: int, dim: int, *, dtype, param_dtype, rngs: nnx.Rngs):
+        self.dtype = dtype
+        self.embedding = nnx.Param(
+            nnx.initializers.normal(_INIT_STD)(rngs.params(), (vocab_size, dim), param_dtype))
+        set_logical_axes(self.embedding, ("vocab", "embed"))
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        return jnp.take(self.embedding[...], tokens, axis=0).astype(self.dtype)
+
+
+def rotary_cos_sin(positions: jax.Array, head_dim: int, theta: float, dtype) -> tuple[jax.Array, jax.Array]:
+    """cos/sin [b, t, head_dim] of RoPE angles pos·θ^(−2i/d), each frequency repeated for both halves.
+
+    Computed in fp32 (angles of long positions lose precision in bf16) and then cast.
+    """
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
+
+
+def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """RoPE in the Hugging Face "rotate_half" layout: x·cos + [−x₂, x₁]·sin, x = [x₁, x₂] halves.
+
+    x: [b, t, heads, head_dim]; cos, sin: [b, t, head_dim].
+    """
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
+
+
+def grouped_query_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """softmax(q·kᵀ/√d + mask)·v where query head h reads key/value head h // (H / KV).
+
+    q: [b, t, H, d]; k, v: [b, S, KV, d]; mask: bool [b, t, S] (True = may attend).
+    Scores and softmax are fp32. A fully masked row (a padding query) gets uniform weights rather
+    than NaN: its output is garbage but finite, and callers mask it out of every loss.
+    """
+    b, t, num_heads, head_dim = q.shape
+    num_kv = k.shape[2]
+    q = q.reshape(b, t, num_kv, num_heads // num_kv, head_dim)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
+    scores = scores / math.sqrt(head_dim)
+    scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
+    weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", weights, v)
+    return out.reshape(b, t, num_heads, head_dim)
+
+
+class Attention(nnx.Module):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        c = config
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        self.q_proj = _linear(c.hidden_size, q_dim, LAYER_LINEARS["layers/self_attn/q_proj/kernel"], c,
+                              use_bias=c.qkv_bias, rngs=rngs)
+        self.k_proj = _linear(c.hidden_size, kv_dim, LAYER_LINEARS["layers/self_attn/k_proj/kernel"], c,
+                              use_bias=c.qkv_bias, rngs=rngs)
+        self.v_proj = _linear(c.hidden_size, kv_dim, LAYER_LINEARS["layers/self_attn/v_proj/kernel"], c,
+                              use_bias=c.qkv_bias, rngs=rngs)
+        self.o_proj = _linear(q_dim, c.hidden_size, LAYER_LINEARS["layers/self_attn/o_proj/kernel"], c,
+                              rngs=rngs)
+
+    def __call__(self, x, cos, sin, mask, probes: dict[str, SketchProbe], kv, write_index):
+        """Returns (output, (k, v) of the whole cache after writing this chunk, or None)."""
+        b, t, _ = x.shape
+        q = self.q_proj(x, probes.get("q_proj")).reshape(b, t, self.num_heads, self.head_dim)
+        k = self.k_proj(x, probes.get("k_proj")).reshape(b, t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x, probes.get("v_proj")).reshape(b, t, self.num_kv_heads, self.head_dim)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        new_kv = None
+        if kv is not None:
+            cache_k, cache_v = kv
+            start = (0, write_index, 0, 0)
+            k = jax.lax.dynamic_update_slice(cache_k, k.astype(cache_k.dtype), start)
+            v = jax.lax.dynamic_update_slice(cache_v, v.astype(cache_v.dtype), start)
+            new_kv = (k, v)
+        out = grouped_query_attention(q, k, v, mask)
+        return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim), probes.get("o_proj")), new_kv
+
+
+class MLP(nnx.Module):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        c = config
+        self.gate_proj = _linear(c.hidden_size, c.intermediate_size,
+                                 LAYER_LINEARS["layers/mlp/gate_proj/kernel"], c, rngs=rngs)
+        self.up_proj = _linear(c.hidden_size, c.intermediate_size,
+                               LAYER_LINEARS["layers/mlp/up_proj/kernel"], c, rngs=rngs)
+        self.down_proj = _linear(c.intermediate_size, c.hidden_size,
+                                 LAYER_LINEARS["layers/mlp/down_proj/kernel"], c, rngs=rngs)
+
+    def __call__(self, x, probes: dict[str, SketchProbe]):
+        gate = self.gate_proj(x, probes.get("gate_proj"))
+        up = self.up_proj(x, probes.get("up_proj"))
+        return self.down_proj(jax.nn.silu(gate) * up, probes.get("down_proj"))
+
+
+class Block(nnx.Module):
+    """One pre-norm transformer layer; the Decoder holds all L of them stacked."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        c = config
+        norm = dict(eps=c.rms_norm_eps, dtype=c.compute_dtype, param_dtype=c.weight_dtype)
+        self.input_layernorm = RMSNorm(c.hidden_size, **norm)
+        self.self_attn = Attention(c, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, **norm)
+        self.mlp = MLP(c, rngs=rngs)
+
+    def __call__(self, x, cos, sin, mask, probes: dict[str, SketchProbe], kv, write_index):
+        attn_probes = {k.split("/")[1]: p for k, p in probes.items() if k.startswith("self_attn/")}
+        mlp_probes = {k.split("/")[1]: p for k, p in probes.items() if k.startswith("mlp/")}
+        attn_out, new_kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, attn_probes, kv,
+                                          write_index)
+        h = x + attn_out
+        return h + self.mlp(self.post_attention_layernorm(h), mlp_probes), new_kv
+
+
+class Decoder(nnx.Module):
+    """The causal language model. See the module docstring for the math and parameter layout."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        if not isinstance(config, ModelConfig):
+            raise ValueError(f"Decoder needs a ModelConfig, got {type(config).__name__}")
+        c = self.config = config
+        self.embed_tokens = Embedding(c.vocab_size, c.hidden_size, dtype=c.compute_dtype,
+                                      param_dtype=c.weight_dtype, rngs=rngs)
+
+        @nnx.split_rngs(splits=c.num_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make_layers(layer_rngs):
+            return Block(c, rngs=layer_rngs)
+
+        self.layers = make_layers(rngs)
+        # vmap copies metadata but does not know our key: add the stacked dimension's name.
+        for _, node in nnx.iter_graph(self.layers):
+            if isinstance(node, nnx.Variable) and get_logical_axes(node) is not None:
+                set_logical_axes(node, ("layers",) + get_logical_axes(node))
+        self.norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, dtype=c.compute_dtype,
+                            param_dtype=c.weight_dtype)
+        self.lm_head = (None if c.tie_embeddings else
+                        _linear(c.hidden_size, c.vocab_size, ("embed", "vocab"), c, rngs=rngs))
+
+    # ----------------------------------------------------------------------------------------- #
+    def head_kernel(self) -> jax.Array:
+        """The output projection [d, V] (the embedding table transposed when tied), param dtype."""
+        if self.lm_head is None:
+            return self.embed_tokens.embedding[...].T
+        return self.lm_head.kernel[...]
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """hidden [..., d] (compute dtype) · head → fp32 logits [..., V] (fp32 accumulation)."""
+        head = self.head_kernel().astype(hidden.dtype)
+        return jnp.einsum("...d,dv->...v", hidden, head, preferred_element_type=jnp.float32)
+
+    def init_cache(self, batch: int, max_len: int) -> KVCache:
+        """An empty KVCache for ``batch`` sequences of up to ``max_len`` tokens (compute dtype)."""
+        c = self.config
+        if max_len > c.max_position_embeddings:
+            raise ValueError(f"init_cache: max_len {max_len} exceeds the model's "
+                             f"max_position_embeddings {c.max_position_embeddings}")
+        return KVCache.create(num_layers=c.num_layers, batch=batch, max_len=max_len,
+                              num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, dtype=c.compute_dtype)
+
+    def _per_layer_probes(self, probes) -> dict[str, SketchProbe]:
+        """{kernel path: stacked probe} → {"self_attn/q_proj": probe, ...}, checked against the stack."""
+        if not probes:
+            return {}
+        out = {}
+        for path, probe in probes.items():
+            if path not in LAYER_LINEARS:
+                raise ValueError(f"probe for {path!r}, which is not a stacked linear kernel of this "
+                                 f"decoder; valid targets: {sorted(LAYER_LINEARS)}")
+            if not isinstance(probe, SketchProbe):
+                raise ValueError(f"probe for {path!r} must be a SketchProbe, got {type(probe).__name__}")
+            layer = self.layers
+            for name in path.split("/")[1:-1]:
+                layer = getattr(layer, name)
+            expected = (self.config.num_layers, layer.out_features)
+            if probe.factor.ndim != 3 or probe.factor.shape[:2] != expected:
+                raise ValueError(f"probe for {path!r}: factor must have shape (layers, out, rank) = "
+                                 f"{expected + ('r',)}, got {probe.factor.shape}")
+            out[path[len("layers/"):-len("/kernel")]] = probe
+        return out
+
+    def __call__(self, tokens: jax.Array, *, positions: jax.Array | None = None,
+                 segment_mask: jax.Array | None = None, probes: dict[str, SketchProbe] | None = None,
+                 cache: KVCache | None = None, return_hidden: bool = False):
+        """Logits [b, t, V] fp32 (or the final-normed hidden [b, t, d]); with a cache, (out, new cache).
+
+        tokens: int32 [b, t]. positions: int32 [b, t] RoPE positions (default: cache index + arange).
+        segment_mask: bool [b, t], True = real token; False keys are never attended to (left or right
+        padding). probes: {kernel path: SketchProbe with a leading layer dim}; paths absent get none.
+        cache: see KVCache — this chunk is written at slots [index, index + t).
+        """
+        c = self.config
+        tokens = jnp.asarray(tokens)
+        if tokens.ndim != 2:
+            raise ValueError(f"tokens must be [batch, time], got shape {tokens.shape}")
+        b, t = tokens.shape
+        if segment_mask is None:
+            segment_mask = jnp.ones((b, t), bool)
+        segment_mask = jnp.asarray(segment_mask).astype(bool)
+        if segment_mask.shape != (b, t):
+            raise ValueError(f"segment_mask shape {segment_mask.shape} != tokens shape {(b, t)}")
+        offset = 0 if cache is None else cache.index
+        if positions is None:
+            positions = jnp.broadcast_to(offset + jnp.arange(t, dtype=jnp.int32), (b, t))
+        positions = jnp.asarray(positions)
+        if positions.shape != (b, t):
+            raise ValueError(f"positions shape {positions.shape} != tokens shape {(b, t)}")
+
+        if cache is None:
+            causal = jnp.tril(jnp.ones((t, t), bool))
+            mask = causal[None] & segment_mask[:, None, :]
+            kv_stack, new_mask = None, None
+        else:
+            if cache.batch_size != b:
+                raise ValueError(f"cache batch {cache.batch_size} != tokens batch {b}")
+            if t > cache.max_len:
+                raise ValueError(f"{t} tokens do not fit a cache of {cache.max_len} slots")
+            if not isinstance(cache.index, jax.core.Tracer) and int(cache.index) + t > cache.max_len:
+                raise ValueError(f"cache overflow: index {int(cache.index)} + {t} tokens > "
+                                 f"{cache.max_len} slots")
+            new_mask = jax.lax.dynamic_update_slice(cache.mask, segment_mask, (0, cache.index))
+            query_slot = cache.index + jnp.arange(t)
+            key_slot = jnp.arange(cache.max_len)
+            mask = (key_slot[None, :] <= query_slot[:, None])[None] & new_mask[:, None, :]
+            kv_stack = (cache.k, cache.v)
+
+        x = self.embed_tokens(tokens)
+        cos, sin = rotary_cos_sin(positions, c.head_dim, c.rope_theta, c.compute_dtype)
+        layer_probes = self._per_layer_probes(probes)
+        graphdef, layer_params = nnx.split(self.layers)
+
+        def layer(h, per_layer):
+            params, probes_l, kv_l = per_layer
+            block = nnx.merge(graphdef, params)
+            return block(h, cos, sin, mask, probes_l, kv_l, offset)
+
+        if c.remat:
+            # Backward recomputes each layer from its input instead of keeping its activations.
+            layer = jax.checkpoint(layer, prevent_cse=False)
+        x, new_kv = jax.lax.scan(layer, x, (layer_params, layer_probes, kv_stack))
+        x = self.norm(x)
+        out = x if return_hidden else self.logits(x)
+        if cache is None:
+            return out
+        return out, KVCache(k=new_kv[0], v=new_kv[1], index=(cache.index + t).astype(jnp.int32),
+                            mask=new_mask)

@@ -1,0 +1,162 @@
+"""Device meshes and logical-axis sharding rules for the model's parameters.
+
+Every parameter carries the names of its dimensions ("logical axes", e.g. ``("layers", "embed", "mlp")``)
+as Variable metadata under the key ``logical_axes``. A rule table maps each logical name to a mesh axis
+(or to ``None``: replicated). That indirection lets one model run unchanged on any mesh:
+FSDP shards ``embed`` over ``fsdp``; tensor parallelism shards heads / MLP width / vocabulary over
+``tensor``; the stacked-layer dimension is never sharded because ``lax.scan`` slices it.
+
+Why our own metadata key and not flax's ``sharding_names``/``out_sharding``: flax 0.12 shards such
+variables eagerly when they are created (``flax_always_shard_variable`` is on by default), which fails
+outside a mesh context and needs mesh axis names at model-construction time. A plain metadata key is
+inert: models are built unsharded, anywhere, and placed later with :func:`shard_model`. Flax copies
+Variable metadata into derived variables (``nnx.vmap`` outputs, ``nnx.Optimizer`` state), so state
+shaped like a parameter inherits its logical axes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+LOGICAL_AXES_KEY = "logical_axes"
+
+# logical axis name -> mesh axis name (None: replicated). Unknown names are replicated too.
+DEFAULT_RULES: tuple[tuple[str, str | None], ...] = (
+    ("batch", "fsdp"),       # activations / data: data-parallel over the fsdp axis
+    ("embed", "fsdp"),       # FSDP: every weight is split along the model width
+    ("heads", "tensor"),     # q / o projections, column- and row-parallel
+    ("kv_heads", "tensor"),  # k / v projections
+    ("mlp", "tensor"),       # gate / up / down
+    ("vocab", "tensor"),     # embedding table and lm_head
+    ("layers", None),        # the scanned stack dimension
+    ("norm", None),          # RMSNorm scales: tiny, replicated
+    ("length", None),
+)
+
+Rules = Sequence[tuple[str, str | None]] | Mapping[str, str | None]
+
+
+def make_mesh(axes: Mapping[str, int] | Sequence[tuple[str, int]], devices=None) -> Mesh:
+    """A mesh with named axes, e.g. ``make_mesh({"fsdp": 4, "tensor": 2})``.
+
+    Axes are ``AxisType.Auto`` (GSPMD propagation): jax 0.10's ``jax.make_mesh`` default of Explicit
+    axes would demand sharding annotations on every intermediate. ``devices`` defaults to all
+    devices; the product of the axis sizes must equal their number.
+    """
+    pairs = list(axes.items()) if isinstance(axes, Mapping) else [tuple(p) for p in axes]
+    if not pairs:
+        raise ValueError("make_mesh needs at least one axis, e.g. {'fsdp': 8, 'tensor': 1}")
+    names = [name for name, _ in pairs]
+    sizes = [size for _, size in pairs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"make_mesh: axis names must be unique, got {names}")
+    for name, size in pairs:
+        if not isinstance(size, (int, np.integer)) or size < 1:
+            raise ValueError(f"make_mesh: axis {name!r} must have a positive int size, got {size!r}")
+    devices = list(jax.devices() if devices is None else devices)
+    product = math.prod(sizes)
+    if product != len(devices):
+        raise ValueError(f"make_mesh: axis sizes {dict(pairs)} multiply to {product}, but there are "
+                         f"{len(devices)} devices; the product must equal the device count")
+    return jax.make_mesh(tuple(int(s) for s in sizes), tuple(names),
+                         axis_types=(AxisType.Auto,) * len(names), devices=devices)
+
+
+def _rules_dict(rules: Rules | None) -> dict[str, Any]:
+    if rules is None:
+        rules = DEFAULT_RULES
+    return dict(rules.items()) if isinstance(rules, Mapping) else dict(rules)
+
+
+def logical_to_spec(logical_axes: Sequence[str | None], mesh: Mesh, rules: Rules | None = None,
+                    shape: Sequence[int] | None = None) -> PartitionSpec:
+    """The PartitionSpec for an array whose dimensions carry ``logical_axes``.
+
+    A dimension stays replicated when its rule says None, its mesh axis is absent from ``mesh``, the
+    mesh axis was already used by an earlier dimension (a mesh axis may shard one dimension only),
+    or — given ``shape`` — the dimension is not divisible by the mesh axis size. The last case is a
+    deliberate fallback, not an error: e.g. 3 kv-heads×64 on a tensor axis of 4 simply stays whole,
+    so any model runs on any mesh, at the cost of replicating that weight.
+    """
+    table = _rules_dict(rules)
+    if shape is not None and len(shape) != len(logical_axes):
+        raise ValueError(f"logical axes {tuple(logical_axes)} name {len(logical_axes)} dimensions "
+                         f"but the array has shape {tuple(shape)}")
+    used: set[str] = set()
+    spec = []
+    for dim, name in enumerate(logical_axes):
+        mesh_axis = table.get(name) if name is not None else None
+        if mesh_axis is None or mesh_axis not in mesh.shape or mesh_axis in used:
+            spec.append(None)
+            continue
+        if shape is not None and shape[dim] % mesh.shape[mesh_axis]:
+            spec.append(None)  # not divisible: replicate this dimension (see docstring)
+            continue
+        used.add(mesh_axis)
+        spec.append(mesh_axis)
+    return PartitionSpec(*spec)
+
+
+def logical_sharding(logical_axes: Sequence[str | None], mesh: Mesh, rules: Rules | None = None,
+                     shape: Sequence[int] | None = None) -> NamedSharding:
+    """NamedSharding of an array with ``logical_axes`` (see :func:`logical_to_spec`)."""
+    return NamedSharding(mesh, logical_to_spec(logical_axes, mesh, rules, shape))
+
+
+def set_logical_axes(variable: nnx.Variable, logical_axes: Sequence[str | None]) -> None:
+    """Record the logical axis names of ``variable``'s dimensions (checked against its rank)."""
+    logical_axes = tuple(logical_axes)
+    if len(logical_axes) != variable[...].ndim:
+        raise ValueError(f"logical axes {logical_axes} do not match a variable of shape "
+                         f"{variable[...].shape}")
+    variable.set_metadata(**{LOGICAL_AXES_KEY: logical_axes})
+
+
+def get_logical_axes(variable: nnx.Variable) -> tuple[str | None, ...] | None:
+    return variable.get_metadata().get(LOGICAL_AXES_KEY)
+
+
+def _is_variable(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def param_shardings(model_or_state, mesh: Mesh, rules: Rules | None = None, *,
+                    filter=nnx.Param):
+    """An ``nnx.State`` of NamedSharding, one per Variable, from the logical-axes metadata.
+
+    ``model_or_state`` is an ``nnx.Module`` (its Variables matching ``filter`` are taken: Params by
+    default) or an ``nnx.State`` (all its Variables). The result has the state's structure with each
+    Variable replaced by its NamedSharding, so it is a valid sharding prefix for ``jax.device_put``
+    and for ``jax.jit``'s ``in_shardings``/``out_shardings`` of that state. A Variable without
+    logical axes is replicated; one whose axes do not match its rank is an error naming its path.
+    """
+    state = nnx.state(model_or_state, filter) if isinstance(model_or_state, nnx.Module) else model_or_state
+
+    def one(path, variable):
+        if not _is_variable(variable):  # a raw array leaf (e.g. a pure-dict state): replicate
+            return NamedSharding(mesh, PartitionSpec())
+        axes = get_logical_axes(variable)
+        if axes is None:
+            return NamedSharding(mesh, PartitionSpec())
+        shape = variable[...].shape
+        if len(axes) != len(shape):
+            raise ValueError(f"parameter {jax.tree_util.keystr(path, simple=True, separator='/')}: "
+                             f"logical axes {axes} do not match its shape {shape}")
+        return logical_sharding(axes, mesh, rules, shape)
+
+    return jax.tree_util.tree_map_with_path(one, state, is_leaf=_is_variable)
+
+
+def shard_model(model: nnx.Module, mesh: Mesh, rules: Rules | None = None) -> nnx.Module:
+    """Place every Variable of ``model`` on ``mesh`` per the rules (in place); returns ``model``."""
+    state = nnx.state(model)
+    shardings = param_shardings(state, mesh, rules)
+    nnx.update(model, jax.device_put(state, shardings))
+    return model
