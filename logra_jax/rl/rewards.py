@@ -10,10 +10,10 @@
   3. else the LAST number in the text.
 
 ``normalize`` turns an answer into a canonical string so that equal numbers compare equal however
-they are written: "$1,200.00", "1200 dollars", "\\boxed{1200}" and "1.2e3"-free forms such as
-"1200." all become "1200"; fractions ("3/4", "\\frac{3}{4}") and decimals ("0.75") become the same
-exact rational, printed as a decimal when it terminates ("0.75") and as "p/q" otherwise ("1/3").
-Answers without any number fall back to lower-cased, whitespace-collapsed text.
+they are written: "$1,200.00", "1200 dollars", "1200." and "\\text{1200}" all become "1200";
+fractions ("3/4", "\\frac{3}{4}") and decimals ("0.75") become the same exact rational, printed
+as a decimal when it terminates ("0.75") and as "p/q" otherwise ("1/3"). Scientific notation is
+not recognised. Answers without any number fall back to lower-cased, whitespace-collapsed text.
 """
 
 from __future__ import annotations
