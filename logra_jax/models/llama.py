@@ -262,6 +262,7 @@ class Decoder(nnx.Module):
         cache: see KVCache — this chunk is written at slots [index, index + t).
         """
         c = self.config
+        layer_probes = self._per_layer_probes(probes)
         tokens = jnp.asarray(tokens)
         if tokens.ndim != 2:
             raise ValueError(f"tokens must be [batch, time], got shape {tokens.shape}")
@@ -298,7 +299,6 @@ class Decoder(nnx.Module):
 
         x = self.embed_tokens(tokens)
         cos, sin = rotary_cos_sin(positions, c.head_dim, c.rope_theta, c.compute_dtype)
-        layer_probes = self._per_layer_probes(probes)
         graphdef, layer_params = nnx.split(self.layers)
 
         def layer(h, per_layer):

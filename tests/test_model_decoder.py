@@ -1,0 +1,240 @@
+"""The NNX decoder on a tiny config: cache, padding, probes, remat, bf16, sharding, validation."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from logra_jax.models import Decoder, KVCache, ModelConfig, model_from_weights, token_logprobs
+from logra_jax.models.config import tiny
+from logra_jax.models.llama import LAYER_LINEARS
+from logra_jax.optim.projections import SketchProbe, projection_keys
+from logra_jax.sharding import make_mesh
+
+CONFIG = tiny()
+
+
+def weights_of(model) -> dict[str, np.ndarray]:
+    return {"/".join(map(str, p)): np.asarray(v[...]) for p, v in nnx.to_flat_state(nnx.state(model))}
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Decoder(CONFIG, rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module")
+def run(model):
+    """Jitted forward with the parameters as arguments (not baked-in constants)."""
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def forward(state, tokens, positions=None, segment_mask=None, probes=None, cache=None):
+        return nnx.merge(graphdef, state)(tokens, positions=positions, segment_mask=segment_mask,
+                                          probes=probes, cache=cache)
+
+    return lambda tokens, **kw: forward(state, tokens, **kw)
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    return jax.random.randint(jax.random.PRNGKey(1), (2, 9), 0, CONFIG.vocab_size, dtype=jnp.int32)
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="num_heads .* multiple of num_kv_heads"):
+        tiny(num_heads=4, num_kv_heads=3)
+    with pytest.raises(ValueError, match="head_dim must be even"):
+        tiny(head_dim=7)
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        tiny(dtype="float16")
+    with pytest.raises(ValueError, match="vocab_size must be a positive int"):
+        tiny(vocab_size=0)
+    assert tiny().replace(remat=True).remat
+
+
+def test_layout_and_stacking(model):
+    kernel = model.layers.self_attn.q_proj.kernel[...]
+    assert kernel.shape == (CONFIG.num_layers, CONFIG.hidden_size, CONFIG.num_heads * CONFIG.head_dim)
+    assert not np.allclose(kernel[0], kernel[1])  # each layer gets its own initialisation
+    assert model.head_kernel().shape == (CONFIG.hidden_size, CONFIG.vocab_size)
+    tied = Decoder(tiny(tie_embeddings=True), rngs=nnx.Rngs(0))
+    assert tied.lm_head is None
+    np.testing.assert_array_equal(tied.head_kernel(), tied.embed_tokens.embedding[...].T)
+
+
+def test_forward_shapes_and_causality(model, run, tokens):
+    logits = run(tokens)
+    assert logits.shape == (2, 9, CONFIG.vocab_size) and logits.dtype == jnp.float32
+    changed = tokens.at[:, 6].set((tokens[:, 6] + 1) % CONFIG.vocab_size)
+    other = run(changed)
+    np.testing.assert_allclose(other[:, :6], logits[:, :6], atol=1e-6)  # the past ignores the future
+    assert not np.allclose(other[:, 6:], logits[:, 6:])
+
+    @nnx.jit
+    def hidden_path(model, tokens):
+        hidden = model(tokens, return_hidden=True)
+        return hidden, model.logits(hidden), token_logprobs(hidden, model.head_kernel(), tokens, chunk_size=40)
+
+    hidden, from_hidden, (logp, entropy) = hidden_path(model, tokens)
+    assert hidden.shape == (2, 9, CONFIG.hidden_size)
+    np.testing.assert_allclose(from_hidden, logits, atol=1e-5)
+    full = jax.nn.log_softmax(logits)
+    np.testing.assert_allclose(logp, jnp.take_along_axis(full, tokens[..., None], -1)[..., 0], atol=1e-5)
+    np.testing.assert_allclose(entropy, -(jnp.exp(full) * full).sum(-1), atol=1e-5)
+
+
+def test_cache_prefill_then_decode_equals_full_forward(model, run, tokens):
+    full = run(tokens)
+    cache = model.init_cache(2, 12)
+    logits, cache = run(tokens[:, :5], cache=cache)
+    pieces = [logits]
+    for i in range(5, 9):  # one jitted step, index traced
+        step, cache = run(tokens[:, i:i + 1], cache=cache)
+        pieces.append(step)
+    assert int(cache.index) == 9 and cache.mask[:, :9].all() and not cache.mask[:, 9:].any()
+    np.testing.assert_allclose(jnp.concatenate(pieces, axis=1), full, atol=1e-5)
+
+
+def test_padding_left_and_right_matches_unpadded(run, tokens):
+    seq = tokens[:1, :6]
+    ref = run(seq)
+    # left padding by 3: positions count real tokens only; right padding by 3: mask only.
+    pad = jnp.zeros((1, 3), jnp.int32)
+    left = jnp.concatenate([pad, seq], 1)
+    left_mask = jnp.arange(9)[None] >= 3
+    left_pos = jnp.maximum(jnp.arange(9) - 3, 0)[None]
+    right = jnp.concatenate([seq, pad], 1)
+    right_mask = jnp.arange(9)[None] < 6
+    batch = jnp.concatenate([left, right])
+    out = run(batch, segment_mask=jnp.concatenate([left_mask, right_mask]),
+              positions=jnp.concatenate([left_pos, jnp.arange(9)[None]]).astype(jnp.int32))
+    assert np.isfinite(np.asarray(out)).all()  # padding queries are garbage but finite
+    np.testing.assert_allclose(out[0, 3:], ref[0], atol=1e-5)
+    np.testing.assert_allclose(out[1, :6], ref[0], atol=1e-5)
+
+
+def test_left_padded_prompt_with_cache_decodes_like_unpadded(model, run, tokens):
+    seq = tokens[:1, :7]
+    ref = run(seq)
+    prompt = jnp.concatenate([jnp.zeros((1, 2), jnp.int32), seq[:, :5]], 1)
+    mask = jnp.arange(7)[None] >= 2
+    positions = jnp.maximum(jnp.arange(7) - 2, 0)[None].astype(jnp.int32)
+    logits, cache = run(prompt, segment_mask=mask, positions=positions, cache=model.init_cache(1, 10))
+    np.testing.assert_allclose(logits[0, 2:], ref[0, :5], atol=1e-5)
+    for i in (5, 6):
+        step, cache = run(seq[:, i:i + 1], positions=jnp.array([[i]], jnp.int32), cache=cache)
+        np.testing.assert_allclose(step[0, 0], ref[0, i], atol=1e-5)
+
+
+def _probes(model, rank, scale):
+    L = CONFIG.num_layers
+    probes = {}
+    for i, path in enumerate(LAYER_LINEARS):
+        layer = model.layers
+        for name in path.split("/")[1:-1]:
+            layer = getattr(layer, name)
+        factor = scale * jax.random.normal(jax.random.PRNGKey(i), (L, layer.out_features, rank))
+        probes[path] = SketchProbe(key=projection_keys(42, path, 0, (L,)), factor=factor)
+    return probes
+
+
+def test_zero_probes_leave_logits_unchanged_and_live_probes_do_not(model, run, tokens):
+    ref = run(tokens)
+    np.testing.assert_allclose(run(tokens, probes=_probes(model, 4, 0.0)), ref, atol=1e-6)
+    assert not np.allclose(run(tokens, probes=_probes(model, 4, 0.5)), ref, atol=1e-3)
+
+
+def test_probe_gradient_is_the_per_layer_sketch(model, tokens):
+    """∂L/∂B_l = G_l·A_lᵀ for every stacked layer l: the decoder hands layer l its own probe slice."""
+    path = "layers/mlp/down_proj/kernel"
+    rank, L = 3, CONFIG.num_layers
+    graphdef, params = nnx.split(model)
+
+    def loss(params, probes=None):
+        logits = nnx.merge(graphdef, params)(tokens, probes=probes)
+        return jnp.sum(jnp.sin(logits))
+
+    dense = jax.jit(jax.grad(loss))(params)["layers"]["mlp"]["down_proj"]["kernel"][...]  # (L, in, out)
+    keys = projection_keys(7, path, 3, (L,))
+    factor = jnp.zeros((L, CONFIG.hidden_size, rank))
+    sketch = jax.jit(jax.grad(lambda f: loss(params, {path: SketchProbe(keys, f)})))(factor)
+    for l in range(L):
+        a = SketchProbe(keys[l], factor[l]).projection(CONFIG.intermediate_size)  # (r, in)
+        np.testing.assert_allclose(sketch[l], dense[l].T @ a.T, rtol=1e-4, atol=1e-5)
+
+
+def test_probe_validation(model, tokens):
+    L = CONFIG.num_layers
+    keys = np.zeros((L, 2), np.uint32)
+    up = SketchProbe(keys, np.zeros((L, CONFIG.intermediate_size, 2), np.float32))
+    with pytest.raises(ValueError, match="not a stacked linear kernel"):
+        model(tokens, probes={"lm_head/kernel": up})
+    with pytest.raises(ValueError, match=r"factor must have shape \(layers, out, rank\)"):
+        model(tokens, probes={"layers/mlp/down_proj/kernel": up})
+    with pytest.raises(ValueError, match="must be a SketchProbe"):
+        model(tokens, probes={"layers/mlp/up_proj/kernel": up.factor})
+
+
+def test_remat_and_bf16_variants(model, run, tokens):
+    weights = weights_of(model)
+    value_and_grad = nnx.jit(nnx.value_and_grad(lambda m: jnp.mean(m(tokens) ** 2)))
+    ref_value, ref_grads = value_and_grad(model)
+    remat = model_from_weights(CONFIG.replace(remat=True), weights)
+    value, grads = value_and_grad(remat)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-6)
+    for (p, g), (_, r) in zip(nnx.to_flat_state(grads), nnx.to_flat_state(ref_grads)):
+        np.testing.assert_allclose(g[...], r[...], rtol=1e-4, atol=1e-7, err_msg="/".join(map(str, p)))
+    bf16 = model_from_weights(CONFIG.replace(dtype="bfloat16"), weights)
+    assert bf16.layers.mlp.up_proj.kernel[...].dtype == jnp.float32  # fp32 master weights
+    logits = nnx.jit(lambda m: m(tokens))(bf16)
+    assert logits.dtype == jnp.float32
+    np.testing.assert_allclose(logits, run(tokens), atol=5e-2)
+    cache = bf16.init_cache(2, 4)
+    assert cache.k.dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("mesh_shape", [(8, 1), (4, 2), (2, 4)])
+def test_sharded_logits_equal_unsharded(model, run, tokens, mesh_shape):
+    mesh = make_mesh({"fsdp": mesh_shape[0], "tensor": mesh_shape[1]})
+    sharded = model_from_weights(CONFIG, weights_of(model), mesh=mesh)
+    kernel = sharded.layers.self_attn.q_proj.kernel[...]
+    assert kernel.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor")
+    graphdef, state = nnx.split(sharded)
+    batch = jnp.concatenate([tokens] * 4)  # 8 rows: divisible by every fsdp size
+    logits = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t))(state, batch)
+    np.testing.assert_allclose(logits, jnp.concatenate([run(tokens)] * 4), atol=2e-5)
+
+
+def test_input_and_cache_errors(model, tokens):
+    with pytest.raises(ValueError, match=r"tokens must be \[batch, time\]"):
+        model(tokens[0])
+    with pytest.raises(ValueError, match="segment_mask shape"):
+        model(tokens, segment_mask=jnp.ones((2, 3), bool))
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        model.init_cache(1, CONFIG.max_position_embeddings + 1)
+    cache = model.init_cache(2, 8)
+    with pytest.raises(ValueError, match="do not fit a cache of 8 slots"):
+        model(tokens, cache=cache)
+    with pytest.raises(ValueError, match=r"cache overflow: index 6 \+ 3 tokens > 8"):
+        model(tokens[:, :3], cache=dataclasses.replace(cache, index=jnp.int32(6)))
+    with pytest.raises(ValueError, match="cache batch"):
+        model(tokens[:1, :2], cache=cache)
+    with pytest.raises(ValueError, match="needs a ModelConfig"):
+        Decoder({"vocab_size": 3}, rngs=nnx.Rngs(0))
+    assert isinstance(cache, KVCache) and isinstance(CONFIG, ModelConfig)
+
+
+def test_model_from_weights_errors(model):
+    weights = weights_of(model)
+    missing = {k: v for k, v in weights.items() if k != "norm/scale"}
+    with pytest.raises(ValueError, match="lack parameter 'norm/scale'"):
+        model_from_weights(CONFIG, missing)
+    bad = dict(weights, **{"layers/mlp/up_proj/kernel": weights["layers/mlp/up_proj/kernel"][:, :, :3]})
+    with pytest.raises(ValueError, match="'layers/mlp/up_proj/kernel' has shape"):
+        model_from_weights(CONFIG, bad)
+    with pytest.raises(ValueError, match="names the model does not have"):
+        model_from_weights(CONFIG, dict(weights, extra=np.zeros(3)))
