@@ -1,0 +1,191 @@
+"""``logra(...)``: the whole LoGRA optimizer as one optax transformation, plus what a trainer reads
+from its state (``update_index``, ``logra_metrics``).
+
+    tx = logra(variant="grpo", learning_rate=1e-6)
+    opt_state = tx.init(params)
+    probes = make_probes(params, update_index(opt_state), SketchSpec())   # same sketch kwargs
+    grads = ...  # params-shaped: sketches at targets (or dense kernel gradients), dense elsewhere
+    updates, opt_state = tx.update(grads, opt_state, params)   # + predict_kl=... with kl_control
+    params = apply_updates(params, updates)                     # or optax.apply_updates
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from logra_jax.optim.predicted_kl import PredictedKLState, scale_by_predicted_kl
+from logra_jax.optim.row_adam import RowAdamState, scale_by_row_adam
+from logra_jax.optim.targets import DEFAULT_TARGETS, SketchSpec, map_with_paths
+from logra_jax.optim.transforms import (LowRankState, ReconstructedNormState, SkipNonFiniteState,
+                                        UpdateRatioState, clip_by_reconstructed_norm,
+                                        scale_by_step_size, scale_by_update_ratio, skip_nonfinite,
+                                        to_low_rank_updates)
+
+# Integer arguments that fix shapes or seeds: keep them static under optax.inject_hyperparams,
+# e.g. ``optax.inject_hyperparams(logra, static_args=LOGRA_STATIC_ARGS)(learning_rate=...)``.
+LOGRA_STATIC_ARGS = ("rank", "seed", "kl_budget_horizon", "others_warmup_steps")
+
+_TARGET_LABEL, _OTHER_LABEL = "logra", "others"
+
+
+def _concrete(value) -> bool:
+    return not isinstance(value, jax.core.Tracer)
+
+
+def _check_static_int(name: str, value):
+    if isinstance(value, (jax.Array, np.ndarray)):
+        raise ValueError(f"{name} must be a Python int, got an array; with optax.inject_hyperparams "
+                         f"pass static_args=LOGRA_STATIC_ARGS")
+
+
+def _check(name: str, value, ok, requirement: str):
+    if value is None or callable(value) or not _concrete(value):
+        return
+    if not ok(float(value)):
+        raise ValueError(f"{name} must be {requirement}, got {value!r}")
+
+
+def warmup_constant(learning_rate, warmup_steps) -> optax.Schedule:
+    """lr·min(1, t / warmup_steps): linear warmup from 0, then constant (HF-style; t counts updates)."""
+    def schedule(count):
+        warm = jnp.asarray(warmup_steps, jnp.float32)
+        frac = jnp.where(warm > 0, jnp.minimum(1.0, count / jnp.maximum(warm, 1.0)), 1.0)
+        return learning_rate * frac
+    return schedule
+
+
+def logra(*, variant: str = "grpo",
+          learning_rate: optax.ScalarOrSchedule = 1e-6,
+          weight_decay: float = 0.0,
+          max_grad_norm: float | None = 1.0,
+          rank: int = 256, b2: float = 0.95, eps: float = 1e-8, seed: int = 42,
+          refresh: bool = True, distribution: str = "rademacher", targets: str = DEFAULT_TARGETS,
+          others: str | None = None,
+          others_learning_rate: optax.ScalarOrSchedule = 5e-6, others_weight_decay: float = 0.01,
+          others_warmup_steps: int = 50,
+          kl_control: bool | None = None,
+          kl_budget: float = 2e-4, kl_budget_final: float = 2e-5, kl_budget_horizon: int = 300,
+          alpha_max: float = 3.0, mismatch_weight: float = 0.3,
+          update_ratio: float = 6e-5) -> optax.GradientTransformationExtraArgs:
+    """LoGRA: sketched RowAdam for the projection matrices, AdamW or freezing for the rest.
+
+    Args:
+      variant: "grpo" — ΔW = −lr(t)·D·A with decoupled weight decay and clipping on the
+        reconstructed norm; "kl" — no learning rate: one global c = update_ratio·‖W‖/‖ΔW‖, then the
+        KL controller's α, then U rounded to bf16.
+      learning_rate: η, float or schedule (grpo only; the reference's value is not public, 1e-6 is
+        a usual RL post-training rate). weight_decay: decoupled, W ← (1 − η·wd)·W (grpo only).
+      max_grad_norm: clip on the reconstructed global norm (None: no clipping; grad_norm is still
+        reported).
+      rank, b2, eps, seed, refresh, distribution, targets: the sketch (SketchSpec) and RowAdam.
+      others: "adamw" (default for grpo) or "frozen" (default for kl) for non-target params;
+        others_learning_rate / others_weight_decay / others_warmup_steps configure that AdamW.
+      kl_control: scale every update by the predicted-KL α (default: on for "kl", off for "grpo");
+        then ``update`` needs ``predict_kl=`` (and optionally ``mismatch=``).
+      kl_budget, kl_budget_final, kl_budget_horizon, alpha_max, mismatch_weight: the controller.
+      update_ratio: relative size of the KL variant's proposed step.
+
+    Update kwargs: ``predict_kl`` and ``mismatch`` (kl_control), ``num_tokens`` (variant "kl": the
+    number of valid generated tokens the sketches sum over; default 1 = already a token mean).
+    Target gradients may be sketches (memory-saving) or dense (drop-in; saves state only).
+    Returned target updates are ``LowRankUpdate``; apply with ``apply_updates`` (layer by layer)
+    or ``optax.apply_updates`` (materialises each leaf's ΔW).
+    """
+    if variant not in ("grpo", "kl"):
+        raise ValueError(f"variant must be 'grpo' or 'kl', got {variant!r}")
+    for name, value in (("rank", rank), ("seed", seed)):
+        _check_static_int(name, value)
+    if others is None:
+        others = "adamw" if variant == "grpo" else "frozen"
+    if others not in ("adamw", "frozen"):
+        raise ValueError(f"others must be 'adamw' or 'frozen', got {others!r}")
+    if kl_control is None:
+        kl_control = variant == "kl"
+    _check("b2", b2, lambda x: 0.0 <= x < 1.0, "in [0, 1)")
+    _check("eps", eps, lambda x: x >= 0.0, "≥ 0")
+    _check("learning_rate", learning_rate, lambda x: x >= 0.0, "≥ 0 (or a schedule)")
+    _check("weight_decay", weight_decay, lambda x: x >= 0.0, "≥ 0")
+    _check("others_learning_rate", others_learning_rate, lambda x: x >= 0.0, "≥ 0 (or a schedule)")
+    _check("others_weight_decay", others_weight_decay, lambda x: x >= 0.0, "≥ 0")
+    _check("others_warmup_steps", others_warmup_steps, lambda x: x >= 0.0, "≥ 0")
+    if variant == "kl" and _concrete(weight_decay) and float(weight_decay) != 0.0:
+        raise ValueError("weight_decay applies only to variant='grpo' (the KL variant has no "
+                         f"learning rate to scale it by), got weight_decay={weight_decay!r}")
+    spec = SketchSpec(targets=targets, rank=rank, seed=seed, distribution=distribution,
+                      refresh=refresh)
+
+    if variant == "grpo":
+        target_tx = optax.chain(scale_by_row_adam(spec, variant="grpo", b2=b2, eps=eps),
+                                scale_by_step_size(learning_rate))
+        wrap = to_low_rank_updates(spec, learning_rate=learning_rate, weight_decay=weight_decay)
+    else:
+        target_tx = optax.chain(scale_by_row_adam(spec, variant="kl", b2=b2, eps=eps),
+                                scale_by_update_ratio(spec, update_ratio))
+        wrap = to_low_rank_updates(spec, factor_dtype=jnp.bfloat16)
+    if others == "adamw":
+        other_tx = optax.adamw(warmup_constant(others_learning_rate, others_warmup_steps),
+                               weight_decay=others_weight_decay)
+    else:
+        other_tx = optax.set_to_zero()
+
+    def labels(tree):
+        return map_with_paths(lambda path, x: None if x is None else (
+            _TARGET_LABEL if spec.is_target(path) else _OTHER_LABEL), tree)
+
+    parts = [clip_by_reconstructed_norm(spec, max_grad_norm),
+             optax.partition({_TARGET_LABEL: target_tx, _OTHER_LABEL: other_tx}, labels)]
+    if kl_control:
+        parts.append(scale_by_predicted_kl(kl_budget, kl_budget_final, kl_budget_horizon,
+                                           alpha_max, mismatch_weight))
+    parts.append(wrap)
+    return skip_nonfinite(optax.chain(*parts))
+
+
+_INDEXED_STATES = (ReconstructedNormState, RowAdamState, UpdateRatioState, LowRankState)
+
+
+def _find_states(opt_state, types) -> list:
+    found = jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, types))
+    return [x for x in found if isinstance(x, types)]
+
+
+def update_index(opt_state) -> jax.Array:
+    """k for the NEXT gradient's probes (``make_probes(params, k, spec)``); 0 forever without refresh.
+
+    Every LoGRA transform holding A keeps this counter; they advance together once per update.
+    """
+    states = _find_states(opt_state, _INDEXED_STATES)
+    if not states:
+        raise ValueError("update_index: opt_state holds no LoGRA state (was it made by logra(...) "
+                         "or a chain containing its transforms?)")
+    return states[0].update_index
+
+
+def logra_metrics(opt_state) -> dict[str, Any]:
+    """Scalars describing the last update, read from the optimizer state (jit-friendly).
+
+    grad_norm: reconstructed global gradient norm; logra/update_index; logra/skipped (last update
+    dropped as non-finite) and logra/num_skipped; with KL control: logra/candidate_kl (predicted KL
+    of the unscaled candidate), logra/predicted_kl (α²·candidate: predicted for the applied update —
+    compare with the realized KL), logra/alpha, logra/effective_budget, logra/mismatch.
+    """
+    metrics: dict[str, Any] = {}
+    for state in _find_states(opt_state, ReconstructedNormState)[:1]:
+        metrics["grad_norm"] = state.grad_norm
+    for state in _find_states(opt_state, _INDEXED_STATES)[:1]:
+        metrics["logra/update_index"] = state.update_index
+    for state in _find_states(opt_state, SkipNonFiniteState)[:1]:
+        metrics["logra/skipped"] = state.skipped
+        metrics["logra/num_skipped"] = state.num_skipped
+    for state in _find_states(opt_state, PredictedKLState)[:1]:
+        metrics["logra/candidate_kl"] = state.candidate_kl
+        metrics["logra/predicted_kl"] = jnp.square(state.alpha) * state.candidate_kl
+        metrics["logra/alpha"] = state.alpha
+        metrics["logra/effective_budget"] = state.effective_budget
+        metrics["logra/mismatch"] = state.mismatch
+    return metrics

@@ -1,0 +1,186 @@
+"""Sketch-space arithmetic that needs A: sketching a dense gradient, reconstructed norms, and
+merging a low-rank update into the weights (ALGORITHM.md §3, §5, §8).
+
+All of it regenerates A_l(k) from its key, one layer of a stack at a time, so no (*stack, in, r)
+tensor of projections and no (*stack, in, out) ΔW is ever held at once.
+
+Notation (Flax layout): kernel K = Wᵀ has shape (in, out); G = dense gradient of W (out × in), so
+the kernel's gradient is Gᵀ; S = G·Aᵀ (out × r); a factor U (out × r) means ΔW = U·A, i.e.
+K += Aᵀ·Uᵀ.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+from logra_jax.optim.projections import projection
+
+_HIGHEST = jax.lax.Precision.HIGHEST  # fp32 arithmetic on every backend (no TF32/bf16 passes)
+
+
+def map_layers(fn, stack_shape: tuple[int, ...], *arrays):
+    """fn(*per_layer_slices) over the flattened leading ``stack_shape`` dims, one layer at a time.
+
+    Uses ``lax.map`` (a sequential loop) so temporaries such as A exist for one layer only.
+    Outputs get the stack dims back in front.
+    """
+    if not stack_shape:
+        return fn(*arrays)
+    n = math.prod(stack_shape)
+    flat = [a.reshape((n,) + a.shape[len(stack_shape):]) for a in arrays]
+    out = jax.lax.map(lambda xs: fn(*xs), tuple(flat))
+    return jax.tree.map(lambda o: o.reshape(stack_shape + o.shape[1:]), out)
+
+
+def sketch_dense(kernel_grad: jax.Array, keys: jax.Array, rank: int, distribution: str,
+                 stack_shape: tuple[int, ...]) -> jax.Array:
+    """S = G·Aᵀ (*stack, out, r) from a dense kernel gradient Gᵀ (*stack, in, out).
+
+    This is the drop-in path: it saves optimizer state, but the dense gradient already exists, so
+    it saves no gradient memory (the probe path of targets.make_probes does).
+    """
+    def one(g_t, key):
+        a = projection(key, rank, g_t.shape[0], distribution)                  # (r, in)
+        return jnp.matmul(a, g_t.astype(jnp.float32), precision=_HIGHEST).T   # (out, r)
+    return map_layers(one, stack_shape, kernel_grad, keys)
+
+
+def reconstructed_sq_norm(factor: jax.Array, keys: jax.Array, in_dim: int, distribution: str,
+                          stack_shape: tuple[int, ...]) -> jax.Array:
+    """Σ_layers ‖S·A‖²_F computed as Σ trace(S (A Aᵀ) Sᵀ): r×r Gram matrices, never S·A itself."""
+    rank = factor.shape[-1]
+
+    def one(s, key):
+        a = projection(key, rank, in_dim, distribution)
+        gram = jnp.matmul(a, a.T, precision=_HIGHEST)                            # (r, r)
+        s = s.astype(jnp.float32)
+        return jnp.sum(jnp.matmul(s, gram, precision=_HIGHEST) * s)
+    return jnp.sum(map_layers(one, stack_shape, factor, keys))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LowRankUpdate:
+    """A target's update in compact form: K ← weight_scale·K + Aᵀ·Uᵀ  (W ← weight_scale·W + U·A).
+
+    Attributes:
+      factor: U (*stack, out, r); the descent sign and every step-size factor are already inside.
+      key: PRNG key data (*stack, 2) regenerating A (r × in) of each layer.
+      weight_scale: fp32 scalar; 1 − lr·wd for decoupled weight decay, else 1.
+      distribution: static; how A is drawn from its key.
+
+    ``params + update`` (what ``optax.apply_updates`` does) materialises this leaf's ΔW; use
+    ``apply_updates`` of this module to merge one layer at a time instead. Transforms placed after
+    LoGRA in a chain must leave these leaves alone: scaling ``key`` would corrupt A.
+    """
+
+    factor: jax.Array
+    key: jax.Array
+    weight_scale: jax.Array
+    distribution: str = dataclasses.field(default="rademacher", metadata=dict(static=True))
+
+    __array_ufunc__ = None  # make numpy defer `ndarray + LowRankUpdate` to __radd__
+
+    @property
+    def stack_shape(self) -> tuple[int, ...]:
+        return self.factor.shape[:-2]
+
+    def delta_kernel(self, in_dim: int) -> jax.Array:
+        """ΔK = Aᵀ·Uᵀ (*stack, in, out) in fp32 — the whole leaf at once (the drop-in path only)."""
+        def one(u, key):
+            return _delta_one(u, key, in_dim, self.distribution)
+        return map_layers(one, self.stack_shape, self.factor, self.key)
+
+    def merge_into(self, kernel: jax.Array) -> jax.Array:
+        """weight_scale·K + ΔK, one layer at a time in place (with donation), in K's dtype."""
+        _check_kernel(kernel, self)
+        if not self.stack_shape:
+            return _merge_one(kernel, self.factor, self.key, self.weight_scale, self.distribution)
+        n = math.prod(self.stack_shape)
+        kernels = kernel.reshape((n,) + kernel.shape[-2:])
+        factors = self.factor.reshape((n,) + self.factor.shape[-2:])
+        keys = self.key.reshape((n,) + self.key.shape[len(self.stack_shape):])
+
+        # fori_loop + dynamic_update_slice rewrites the stack's buffer layer by layer; a scan
+        # emitting a new stack would hold a second copy of all target weights.
+        def body(i, kernels):
+            layer = jax.lax.dynamic_index_in_dim(kernels, i, keepdims=False)
+            layer = _merge_one(layer, factors[i], keys[i], self.weight_scale, self.distribution)
+            return jax.lax.dynamic_update_index_in_dim(kernels, layer, i, 0)
+        return jax.lax.fori_loop(0, n, body, kernels).reshape(kernel.shape)
+
+    def __radd__(self, kernel):
+        _check_kernel(kernel, self)
+        kernel = jnp.asarray(kernel)
+        delta = self.delta_kernel(kernel.shape[-2])
+        return (self.weight_scale * kernel.astype(jnp.float32) + delta).astype(kernel.dtype)
+
+    __add__ = __radd__
+
+
+def _check_kernel(kernel, update: LowRankUpdate):
+    expected = update.stack_shape + (update.factor.shape[-2],)
+    if kernel.ndim < 2 or tuple(kernel.shape[:-2]) + (kernel.shape[-1],) != expected:
+        raise ValueError(f"a LowRankUpdate with factor {update.factor.shape} cannot update a kernel "
+                         f"of shape {tuple(kernel.shape)} (expected (*stack, in, out) with "
+                         f"(*stack, out) = {expected})")
+
+
+def _delta_one(u, key, in_dim, distribution):
+    a = projection(key, u.shape[-1], in_dim, distribution)                       # (r, in)
+    return jnp.matmul(a.T, u.astype(jnp.float32).T, precision=_HIGHEST)         # (in, out)
+
+
+def _merge_one(kernel, u, key, weight_scale, distribution):
+    delta = _delta_one(u, key, kernel.shape[0], distribution)
+    return (weight_scale * kernel.astype(jnp.float32) + delta).astype(kernel.dtype)
+
+
+def _is_low_rank(x) -> bool:
+    return isinstance(x, LowRankUpdate)
+
+
+def apply_updates(params, updates):
+    """params + updates, merging LowRankUpdate leaves one stacked layer at a time.
+
+    Drop-in for ``optax.apply_updates``; jit it with ``donate_argnums=0`` so every target is
+    updated in place and no ΔW larger than one layer ever exists.
+    """
+    def add(p, u):
+        if p is None or u is None:
+            return p
+        if isinstance(u, LowRankUpdate):
+            return u.merge_into(p)
+        return jnp.asarray(p + u).astype(jnp.asarray(p).dtype)
+    return jax.tree.map(add, params, updates, is_leaf=lambda x: x is None)
+
+
+def scale_updates(updates, scale: jax.Array):
+    """updates·scale, where a LowRankUpdate scales its ΔW: U·s and weight_scale 1 + s·(ws − 1)."""
+    def one(u):
+        if isinstance(u, LowRankUpdate):
+            return dataclasses.replace(u, factor=(u.factor * scale).astype(u.factor.dtype),
+                                       weight_scale=1.0 + scale * (u.weight_scale - 1.0))
+        return (u * scale).astype(u.dtype)
+    return jax.tree.map(one, updates, is_leaf=_is_low_rank)
+
+
+def zero_updates(updates):
+    """Updates that change nothing (factor 0, weight_scale 1, dense 0), same structure and dtypes."""
+    def one(u):
+        if isinstance(u, LowRankUpdate):
+            return dataclasses.replace(u, factor=jnp.zeros_like(u.factor),
+                                       weight_scale=jnp.ones_like(u.weight_scale))
+        return jnp.zeros_like(u)
+    return jax.tree.map(one, updates, is_leaf=_is_low_rank)
+
+
+def all_finite(tree) -> jax.Array:
+    """True iff every float entry of the tree (LowRankUpdate factors and scales included) is finite."""
+    checks = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
+              if jnp.issubdtype(jnp.asarray(x).dtype, jnp.inexact)]
+    return jnp.all(jnp.stack(checks)) if checks else jnp.asarray(True)

@@ -1,0 +1,190 @@
+r"""Predicted-KL step control: size each update by the policy change it will cause (ALGORITHM.md §6).
+
+For a candidate update d, one forward-mode pass over a small probe batch gives the logit change
+δz = J·d. Per response token, with temperature T, p = softmax(z/T) and u = δz/T,
+
+    KL(π_old ‖ π_new) ≈ ½ Σ_k p_k (u_k − Σ_j p_j u_j)² = ½ Var_{k∼p}(u_k)
+
+(second-order Taylor; the first-order term vanishes because Σ p_k = 1), averaged over response
+positions. KL is quadratic in the step, so scaling d by α predicts α²·KL. The controller picks
+
+    budget(k) = b_final + ½ (b₀ − b_final)(1 + cos(π · min(k / (H − 1), 1)))
+    m ← (1 − w)·m + w·max(0, mismatch)        B = max(budget − m, ½·budget)
+    α = min(α_max, sqrt(B / pred))            (pred = 0 → α = 1)
+
+With the B-parameter trick the tangent of target l is its factor U_l: ΔW is never formed.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from logra_jax.optim import low_rank
+from logra_jax.optim.low_rank import LowRankUpdate
+from logra_jax.optim.targets import map_with_paths
+
+
+def _masked_mean(per_token: jax.Array, mask: jax.Array) -> jax.Array:
+    mask = jnp.asarray(mask, jnp.float32)
+    if mask.shape != per_token.shape:
+        raise ValueError(f"response_mask has shape {mask.shape}, the logits give per-token shape "
+                         f"{per_token.shape}")
+    return jnp.sum(per_token * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def predicted_kl_from_tangent(logits: jax.Array, logit_tangent: jax.Array, response_mask: jax.Array,
+                              temperature: float = 1.0) -> jax.Array:
+    """½·Var_{k∼p}(δz_k/T) per token, averaged over response tokens; in fp32."""
+    z = logits.astype(jnp.float32) / temperature
+    u = logit_tangent.astype(jnp.float32) / temperature
+    p = jax.nn.softmax(z, axis=-1)
+    centred = u - jnp.sum(p * u, axis=-1, keepdims=True)
+    return _masked_mean(0.5 * jnp.sum(p * jnp.square(centred), axis=-1), response_mask)
+
+
+def exact_kl(logits_old: jax.Array, logits_new: jax.Array, response_mask: jax.Array,
+             temperature: float = 1.0) -> jax.Array:
+    """KL(π_old ‖ π_new) per token at temperature T, averaged over response tokens (the realized KL)."""
+    logp_old = jax.nn.log_softmax(logits_old.astype(jnp.float32) / temperature, axis=-1)
+    logp_new = jax.nn.log_softmax(logits_new.astype(jnp.float32) / temperature, axis=-1)
+    per_token = jnp.sum(jnp.exp(logp_old) * (logp_old - logp_new), axis=-1)
+    return _masked_mean(per_token, response_mask)
+
+
+def make_predict_kl(logits_fn: Callable, others, factors: dict[str, jax.Array],
+                    response_mask: jax.Array, temperature: float = 1.0, *,
+                    others_frozen: bool = False) -> Callable:
+    """Builds ``predict_kl(updates) -> scalar`` for ``scale_by_predicted_kl``.
+
+    Args:
+      logits_fn: ``logits_fn(others, factors) -> logits (..., vocab)`` on the probe batch: the model
+        run with the current weights and probes whose factors are ``factors`` (zero, from
+        ``probe_factors(make_probes(params, update_index(opt_state), spec))`` — the same A as the
+        candidate's). Target kernels are closed over.
+      others: the non-target params (``split_targets(params, spec)[1]``, ``None`` at targets).
+      factors: {target path: zero factor}, the primal of the JVP.
+      response_mask: (...,) 1 for generated (response) tokens, matching ``logits.shape[:-1]``.
+      temperature: sampling temperature T.
+      others_frozen: the non-target updates are always zero (the KL variant); skips their tangent.
+
+    The returned function takes the candidate updates (params-shaped: factors U at targets, dense
+    updates elsewhere; ``LowRankUpdate`` leaves are read through their factor, their weight decay
+    is not part of the prediction) and runs one ``jax.jvp``.
+    """
+    def predict_kl(updates) -> jax.Array:
+        target_tangent = {}
+
+        def split(path, u):
+            if path in factors:
+                factor = u.factor if isinstance(u, LowRankUpdate) else u
+                target_tangent[path] = factor.astype(factors[path].dtype)
+                return None
+            return u
+        other_tangent = map_with_paths(split, updates)
+        if set(target_tangent) != set(factors):
+            raise ValueError(f"predict_kl: the updates hold targets {sorted(target_tangent)}, the "
+                             f"factors {sorted(factors)}")
+        if others_frozen:
+            logits, dlogits = jax.jvp(lambda f: logits_fn(others, f), (factors,), (target_tangent,))
+        else:
+            other_tangent = jax.tree.map(lambda p, t: None if p is None else t.astype(p.dtype),
+                                         others, other_tangent, is_leaf=lambda x: x is None)
+            logits, dlogits = jax.jvp(logits_fn, (others, factors), (other_tangent, target_tangent))
+        return predicted_kl_from_tangent(logits, dlogits, response_mask, temperature)
+
+    return predict_kl
+
+
+def kl_budget_schedule(kl_budget: float = 2e-4, kl_budget_final: float = 2e-5,
+                       kl_budget_horizon: int = 300) -> Callable[[jax.Array], jax.Array]:
+    """budget(k): cosine from ``kl_budget`` to ``kl_budget_final`` over ``kl_budget_horizon`` updates."""
+    def schedule(k):
+        span = jnp.maximum(jnp.asarray(kl_budget_horizon, jnp.float32) - 1.0, 1.0)
+        frac = jnp.minimum(jnp.asarray(k, jnp.float32) / span, 1.0)
+        return kl_budget_final + 0.5 * (kl_budget - kl_budget_final) * (1.0 + jnp.cos(jnp.pi * frac))
+    return schedule
+
+
+class PredictedKLState(NamedTuple):
+    """count: updates so far; mismatch: EMA m; candidate_kl: pred of the last candidate (before α);
+    alpha: the α applied; effective_budget: the B it aimed at."""
+
+    count: jax.Array
+    mismatch: jax.Array
+    candidate_kl: jax.Array
+    alpha: jax.Array
+    effective_budget: jax.Array
+    KEPT_ON_SKIP = ("count", "candidate_kl", "alpha", "effective_budget")
+
+
+def _refuse(bad, pred):
+    if bool(bad):
+        raise ValueError(f"scale_by_predicted_kl: predict_kl returned {float(pred)!r} (NaN or "
+                         f"negative) for a finite candidate update; refusing the update — check "
+                         f"the probe batch, its response_mask and the logits function")
+
+
+def scale_by_predicted_kl(kl_budget: float = 2e-4, kl_budget_final: float = 2e-5,
+                          kl_budget_horizon: int = 300, alpha_max: float = 3.0,
+                          mismatch_weight: float = 0.3) -> optax.GradientTransformationExtraArgs:
+    """Scales the candidate update by α so its predicted KL meets the (effective) budget.
+
+    ``update(updates, state, params=None, *, predict_kl, mismatch=None)``:
+      predict_kl: ``callable(updates) -> scalar`` predicted KL of the candidate (see make_predict_kl).
+      mismatch: optional scalar mean(log π_rollout − log π_trainer) over generated tokens of
+        completed responses; feeds the EMA m (left unchanged when None).
+
+    A NaN or negative prediction for a finite candidate refuses the update: eagerly a ValueError,
+    under jit the same message as a runtime error from a host callback (and α = 0, so even a
+    backend that ignored the callback would apply nothing). A non-finite candidate passes through
+    with α = 1 for ``skip_nonfinite`` to drop.
+    """
+    for name, value in (("kl_budget", kl_budget), ("kl_budget_final", kl_budget_final),
+                        ("alpha_max", alpha_max)):
+        if not isinstance(value, jax.core.Tracer) and not float(value) > 0:
+            raise ValueError(f"{name} must be positive, got {value!r}")
+    if not isinstance(kl_budget_horizon, jax.core.Tracer) and not int(kl_budget_horizon) >= 1:
+        raise ValueError(f"kl_budget_horizon must be ≥ 1, got {kl_budget_horizon!r}")
+    if not isinstance(mismatch_weight, jax.core.Tracer) and not 0.0 <= float(mismatch_weight) <= 1.0:
+        raise ValueError(f"mismatch_weight must be in [0, 1], got {mismatch_weight!r}")
+    budget_at = kl_budget_schedule(kl_budget, kl_budget_final, kl_budget_horizon)
+
+    def init_fn(params):
+        del params
+        zero = jnp.zeros([], jnp.float32)
+        return PredictedKLState(count=jnp.zeros([], jnp.int32), mismatch=zero, candidate_kl=zero,
+                                alpha=jnp.ones([], jnp.float32), effective_budget=zero)
+
+    def update_fn(updates, state, params=None, *, predict_kl=None, mismatch=None, **extra_args):
+        del params, extra_args
+        if predict_kl is None:
+            raise ValueError("scale_by_predicted_kl: pass predict_kl=... to update (see "
+                             "make_predict_kl), or turn kl_control off")
+        m = state.mismatch
+        if mismatch is not None:
+            observed = jnp.maximum(jnp.asarray(mismatch, jnp.float32), 0.0)
+            m = (1.0 - mismatch_weight) * m + mismatch_weight * observed
+        budget = budget_at(state.count)
+        effective = jnp.maximum(budget - m, 0.5 * budget)
+
+        pred = jnp.asarray(predict_kl(updates), jnp.float32)
+        if pred.shape != ():
+            raise ValueError(f"predict_kl must return a scalar, got shape {pred.shape}")
+        bad = low_rank.all_finite(updates) & (jnp.isnan(pred) | (pred < 0))
+        if isinstance(bad, jax.core.Tracer):
+            jax.debug.callback(_refuse, bad, pred)
+        else:
+            _refuse(np.asarray(bad), np.asarray(pred))
+        alpha = jnp.where(pred > 0, jnp.minimum(alpha_max, jnp.sqrt(effective / pred)), 1.0)
+        alpha = jnp.where(bad, 0.0, alpha)
+        new_state = PredictedKLState(count=optax.safe_increment(state.count), mismatch=m,
+                                     candidate_kl=pred, alpha=alpha, effective_budget=effective)
+        return low_rank.scale_updates(updates, alpha), new_state
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+

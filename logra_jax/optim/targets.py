@@ -1,0 +1,273 @@
+"""Which weights LoGRA sketches, and the trainer-facing plumbing around them (ALGORITHM.md §1–3).
+
+A *target* is a parameter whose '/'-joined path matches ``SketchSpec.targets`` (by default the
+q/k/v/o/gate/up/down projection kernels). Its leaf has Flax kernel layout (*stack, in, out) with
+W = kernelᵀ; a scanned stack of layers adds leading ``stack`` dims and every layer gets its own A.
+
+One gradient step of a trainer, with these helpers::
+
+    spec = SketchSpec(rank=256)                       # the same spec logra(...) was built with
+    probes = make_probes(params, update_index(opt_state), spec)    # {target path: SketchProbe}
+    target_kernels, others = split_targets(params, spec)
+    def loss(others, factors):                        # the model reads probes by kernel path
+        return loss_fn(merge_targets(others, target_kernels), with_factors(probes, factors))
+    other_grads, sketches = jax.grad(loss, argnums=(0, 1))(others, probe_factors(probes))
+    grads = merge_targets(other_grads, sketches)      # params-shaped: S at targets, dense elsewhere
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from logra_jax.optim.projections import DISTRIBUTIONS, SketchProbe, projection_keys
+
+# The attention and MLP projections of Llama-family models, by the end of their kernel path.
+DEFAULT_TARGETS = r"(^|/)(q|k|v|o|gate|up|down)_proj/kernel$"
+
+
+def path_str(keypath: tuple) -> str:
+    """'/'-join of a pytree key path: ("layers", "mlp", "up_proj", "kernel") → "layers/mlp/up_proj/kernel".
+
+    A trailing ``.value`` attribute (how an ``nnx.Variable`` exposes its array) is dropped, so an
+    ``nnx.State`` of Variables and its pure-dict form give the same paths.
+    """
+    parts = []
+    for entry in keypath:
+        if isinstance(entry, jax.tree_util.DictKey):
+            parts.append(str(entry.key))
+        elif isinstance(entry, jax.tree_util.SequenceKey):
+            parts.append(str(entry.idx))
+        elif isinstance(entry, jax.tree_util.GetAttrKey):
+            parts.append(entry.name)
+        elif isinstance(entry, jax.tree_util.FlattenedIndexKey):
+            parts.append(str(entry.key))
+        else:
+            parts.append(str(entry))
+    if keypath and isinstance(keypath[-1], jax.tree_util.GetAttrKey) and parts[-1] == "value":
+        parts.pop()
+    return "/".join(parts)
+
+
+def _is_update_leaf(x) -> bool:
+    # Imported lazily: low_rank imports this module.
+    from logra_jax.optim.low_rank import LowRankUpdate
+    return x is None or isinstance(x, (LowRankUpdate, SketchProbe))
+
+
+def leaves_with_paths(tree) -> list[tuple[str, Any]]:
+    """[(path string, leaf)] for every array leaf; a LowRankUpdate or SketchProbe counts as one leaf.
+
+    ``None`` and ``optax.MaskedNode`` holes are skipped.
+    """
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_update_leaf)
+    return [(path_str(kp), leaf) for kp, leaf in flat if leaf is not None]
+
+
+def map_with_paths(fn, tree, *rest):
+    """tree_map(fn(path, leaf, *rest_leaves)) treating LowRankUpdate/SketchProbe/None as leaves."""
+    return jax.tree_util.tree_map_with_path(lambda kp, x, *r: fn(path_str(kp), x, *r), tree, *rest,
+                                            is_leaf=_is_update_leaf)
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetInfo:
+    """Static facts about one target: kernel (*stack, in, out), sketch (*stack, out, rank)."""
+
+    path: str
+    stack_shape: tuple[int, ...]
+    in_dim: int
+    out_dim: int
+    rank: int
+
+    @property
+    def kernel_shape(self) -> tuple[int, ...]:
+        return self.stack_shape + (self.in_dim, self.out_dim)
+
+    @property
+    def sketch_shape(self) -> tuple[int, ...]:
+        return self.stack_shape + (self.out_dim, self.rank)
+
+    @property
+    def row_shape(self) -> tuple[int, ...]:
+        """Shape of RowAdam's v: one value per output row of every layer in the stack."""
+        return self.stack_shape + (self.out_dim,)
+
+
+@dataclasses.dataclass(frozen=True)
+class SketchSpec:
+    """Everything that decides A_l(k) — shared by logra(...) and make_probes so they agree.
+
+    Attributes:
+      targets: regex searched in each parameter path; matches are sketched (§1).
+      rank: r. A target's rank is capped at its input width: r_l = min(rank, in_l), because
+        r ≥ in cannot compress G·Aᵀ further (the sketch would be at least as wide as the gradient).
+      seed: base seed of every projection.
+      distribution: "rademacher" (±1/√r, default) or "gaussian" (N(0, 1/r)).
+      refresh: draw a fresh A after every update (k advances); False keeps A at k = 0 forever.
+    """
+
+    targets: str = DEFAULT_TARGETS
+    rank: int = 256
+    seed: int = 42
+    distribution: str = "rademacher"
+    refresh: bool = True
+
+    def __post_init__(self):
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank <= 0:
+            raise ValueError(f"rank must be a positive Python int (it fixes array shapes), "
+                             f"got {self.rank!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed must be a Python int, got {self.seed!r}")
+        if self.distribution not in DISTRIBUTIONS:
+            raise ValueError(f"distribution must be one of {DISTRIBUTIONS}, got {self.distribution!r}")
+        if not isinstance(self.targets, str):
+            raise ValueError(f"targets must be a regex string, got {self.targets!r}")
+        try:
+            re.compile(self.targets)
+        except re.error as err:
+            raise ValueError(f"targets is not a valid regex ({err}): {self.targets!r}") from None
+        if not isinstance(self.refresh, bool):
+            raise ValueError(f"refresh must be a bool, got {self.refresh!r}")
+
+    def is_target(self, path: str) -> bool:
+        return re.search(self.targets, path) is not None
+
+    def info(self, path: str, shape: tuple[int, ...]) -> TargetInfo:
+        """TargetInfo of a target leaf; ValueError if it is not a (stack of) matrices."""
+        if len(shape) < 2:
+            raise ValueError(f"target {path!r} has shape {tuple(shape)}, not a matrix: the targets "
+                             f"pattern {self.targets!r} must match only 2-D (or stacked) kernels")
+        *stack, in_dim, out_dim = (int(d) for d in shape)
+        return TargetInfo(path, tuple(stack), in_dim, out_dim, min(self.rank, in_dim))
+
+    def find_targets(self, params) -> dict[str, TargetInfo]:
+        """{path: TargetInfo} of every target in ``params`` (ordered as the tree flattens).
+
+        Raises ValueError when nothing matches — LoGRA must never silently train nothing — or when
+        a target's sketch shape equals its kernel shape, because gradients would be ambiguous.
+        """
+        leaves = leaves_with_paths(params)
+        found = {p: self.info(p, tuple(x.shape)) for p, x in leaves if self.is_target(p)}
+        if not found:
+            examples = ", ".join(repr(p) for p, _ in leaves[:6])
+            raise ValueError(f"targets pattern {self.targets!r} matched no parameter; "
+                             f"parameter paths look like: {examples}")
+        for info in found.values():
+            if info.sketch_shape == info.kernel_shape:
+                raise ValueError(
+                    f"target {info.path!r}: its sketch shape {info.sketch_shape} equals its kernel "
+                    f"shape, so a gradient leaf cannot tell dense from sketched; lower rank below "
+                    f"{info.in_dim} (or exclude this target)")
+        return found
+
+    def projection_index(self, count: jax.Array | int) -> jax.Array:
+        """k for the gradient that follows ``count`` updates: count with refresh, else 0."""
+        count = jnp.asarray(count, jnp.int32)
+        return count if self.refresh else jnp.zeros_like(count)
+
+    def next_index(self, update_index: jax.Array) -> jax.Array:
+        """k after one more update: k + 1 with refresh, else k stays 0."""
+        return optax.safe_increment(update_index) if self.refresh else update_index
+
+    def keys(self, info: TargetInfo, update_index: jax.Array | int) -> jax.Array:
+        """PRNG key data of A for every layer of the target: shape (*stack, 2)."""
+        return projection_keys(self.seed, info.path, update_index, info.stack_shape)
+
+
+def sharding_without_in_dim(param, keep_last: bool) -> NamedSharding | None:
+    """The param's NamedSharding with its ``in`` entry dropped (for v and sketches), if it has one.
+
+    ``keep_last`` appends a replicated entry (the rank dim of a sketch). Only concrete arrays carry
+    a sharding; under tracing this returns None and XLA's propagation decides.
+    """
+    sharding = getattr(param, "sharding", None)
+    if not isinstance(sharding, NamedSharding) or isinstance(param, jax.core.Tracer):
+        return None
+    spec = tuple(sharding.spec) + (None,) * (param.ndim - len(sharding.spec))
+    new = spec[:-2] + spec[-1:] + ((None,) if keep_last else ())
+    return NamedSharding(sharding.mesh, PartitionSpec(*new))
+
+
+def make_probes(params, update_index: jax.Array | int, spec: SketchSpec,
+                dtype=jnp.float32) -> dict[str, SketchProbe]:
+    """{target path: SketchProbe(key of A_l(k), zero factor B (*stack, out, r))} for one gradient.
+
+    ``update_index`` is ``update_index(opt_state)``: the k the optimizer will use for this
+    gradient. The factor is sharded like the kernel's out (and stack) dims when params are sharded.
+    """
+    k = spec.projection_index(update_index)
+    probes = {}
+    for path, leaf in leaves_with_paths(params):
+        if not spec.is_target(path):
+            continue
+        info = spec.info(path, tuple(leaf.shape))
+        factor = jnp.zeros(info.sketch_shape, dtype,
+                           device=sharding_without_in_dim(leaf, keep_last=True))
+        probes[path] = SketchProbe(key=spec.keys(info, k), factor=factor,
+                                   distribution=spec.distribution)
+    if not probes:
+        spec.find_targets(params)  # raises the explanatory error
+    return probes
+
+
+def probe_factors(probes: dict[str, SketchProbe]) -> dict[str, jax.Array]:
+    """{path: B}: the differentiable part of the probes (their gradients are the sketches)."""
+    return {path: probe.factor for path, probe in probes.items()}
+
+
+def with_factors(probes: dict[str, SketchProbe], factors: dict[str, jax.Array]) -> dict[str, SketchProbe]:
+    """The probes with their factors replaced, e.g. by the traced ones inside a loss."""
+    missing = set(probes) ^ set(factors)
+    if missing:
+        raise ValueError(f"probes and factors disagree on targets: {sorted(missing)}")
+    return {path: dataclasses.replace(probe, factor=factors[path]) for path, probe in probes.items()}
+
+
+def split_targets(tree, spec: SketchSpec) -> tuple[dict[str, Any], Any]:
+    """(targets {path: leaf}, others: the same tree with ``None`` at every target)."""
+    targets = {}
+
+    def keep_other(path, leaf):
+        if spec.is_target(path):
+            targets[path] = leaf
+            return None
+        return leaf
+
+    others = map_with_paths(keep_other, tree)
+    if not targets:
+        spec.find_targets(tree)
+    return targets, others
+
+
+def merge_targets(others, targets: dict[str, Any]):
+    """Fill the ``None`` holes of ``others`` from ``targets`` {path: leaf} (inverse of split)."""
+    used = set()
+
+    def fill(path, leaf):
+        if leaf is None and path in targets:
+            used.add(path)
+            return targets[path]
+        return leaf
+
+    merged = jax.tree_util.tree_map_with_path(lambda kp, x: fill(path_str(kp), x), others,
+                                              is_leaf=lambda x: x is None)
+    unused = set(targets) - used
+    if unused:
+        raise ValueError(f"merge_targets: no hole for {sorted(unused)} in the tree (paths must "
+                         f"match the params' '/'-joined key paths)")
+    return merged
+
+
+def require_params(params, transform: str):
+    """LoGRA's transforms read target shapes (and, for the KL variant, weights) from params."""
+    if params is None:
+        raise ValueError(f"{transform}: update(...) needs params (target shapes come from them); "
+                         f"call tx.update(grads, opt_state, params)")
+    return params
