@@ -86,10 +86,12 @@ class Tokenizer:
         for i, message in enumerate(messages):
             if not isinstance(message, Mapping) or "role" not in message or "content" not in message:
                 raise ValueError(f"message {i} must be a mapping with 'role' and 'content', got {message!r}")
-        return self._template.render(messages=[dict(m) for m in messages],
-                                     add_generation_prompt=add_generation_prompt,
-                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "",
-                                     **template_kwargs)
+        # Like transformers, tools/documents are always defined (None unless given): templates test them.
+        context = dict(messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt,
+                       bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+                       tools=None, documents=None)
+        context.update(template_kwargs)
+        return self._template.render(**context)
 
     @classmethod
     def from_hf_dir(cls, path: str | pathlib.Path) -> "Tokenizer":

@@ -1,0 +1,221 @@
+"""Logits parity with transformers (CPU torch) for tiny Llama / Qwen2 checkpoints read by from_pretrained."""
+
+import copy
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+from logra_jax.models import from_pretrained  # noqa: E402
+from logra_jax.models.hf_loader import read_safetensors  # noqa: E402
+from logra_jax.sharding import make_mesh  # noqa: E402
+
+VOCAB = 64
+WORDS = ["<unk>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>"] + [
+    f"w{i}" for i in range(VOCAB - 6)]
+TEMPLATE = ("{{ bos_token }}{% for m in messages %}"
+            "{% if m['role'] not in ['system', 'user', 'assistant'] %}{{ raise_exception('bad role') }}{% endif %}"
+            "<|{{ m['role'] }}|> {{ m['content'] | trim }} {{ eos_token }}\n"
+            "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+            "{% if tools is defined %}{{ tools | tojson }}{% endif %}")
+
+# Two architectures differing in GQA ratio, q/k/v bias, tying, RoPE theta, depth and width.
+CONFIGS = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
+              dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, rope_theta=5000.0, rms_norm_eps=1e-5,
+                   tie_word_embeddings=False)),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM,
+              dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=40, num_hidden_layers=3,
+                   num_attention_heads=6, num_key_value_heads=1, rope_theta=1e6, rms_norm_eps=1e-6,
+                   tie_word_embeddings=True)),
+}
+
+
+def write_tokenizer(folder, template_in_jinja_file: bool):
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel({w: i for i, w in enumerate(WORDS)},
+                                                               unk_token="<unk>"))
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    backend.add_special_tokens([tokenizers.AddedToken(w, special=True) for w in WORDS[:6]])
+    backend.save(str(folder / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>",
+              "eos_token": {"__type": "AddedToken", "content": "</s>", "special": True}, "unk_token": "<unk>"}
+    if template_in_jinja_file:
+        (folder / "chat_template.jinja").write_text(TEMPLATE)
+    else:
+        config["chat_template"] = TEMPLATE
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def randomise(model, seed):
+    """HF init gives near-uniform logits (std 0.02, zero biases): use larger weights so parity bites."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            p.copy_(1.0 + 0.1 * noise if name.endswith("norm.weight") else 0.3 * noise)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """{name: (folder, torch model in fp32)}; llama is saved sharded (index file), in bf16."""
+    out = {}
+    for i, (name, (config_cls, model_cls, kwargs)) in enumerate(CONFIGS.items()):
+        torch.manual_seed(i)
+        model = model_cls(config_cls(**kwargs)).eval()
+        randomise(model, i)
+        folder = tmp_path_factory.mktemp(name)
+        if name == "llama":  # bf16 storage and several shards + index: the other loader paths
+            with torch.no_grad():  # the fp32 reference holds exactly the bf16 values ...
+                for p in model.parameters():
+                    p.copy_(p.to(torch.bfloat16).float())
+            # ... and only the parameters are converted (model.to(bf16) would also round RoPE's inv_freq)
+            copy.deepcopy(model).to(torch.bfloat16).save_pretrained(folder, max_shard_size="20KB")
+        else:
+            model.save_pretrained(folder)
+        write_tokenizer(folder, template_in_jinja_file=(name == "llama"))
+        out[name] = (folder, model)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    return np.random.default_rng(0).integers(0, VOCAB, size=(2, 11)).astype(np.int32)
+
+
+def torch_logits(model, tokens):
+    with torch.no_grad():
+        return model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+
+
+def forward(model):
+    graphdef, state = nnx.split(model)
+    return jax.jit(lambda state, t, cache=None: nnx.merge(graphdef, state)(t, cache=cache)), state
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_logits_match_transformers(checkpoints, tokens, name):
+    folder, torch_model = checkpoints[name]
+    assert name != "llama" or (folder / "model.safetensors.index.json").is_file()
+    model, _ = from_pretrained(folder)
+    c = model.config
+    assert (c.num_kv_heads, c.qkv_bias, c.tie_embeddings) == {
+        "llama": (2, False, False), "qwen2": (1, True, True)}[name]
+    fn, state = forward(model)
+    ours = np.asarray(fn(state, tokens))
+    ref = torch_logits(torch_model, tokens)
+    assert np.abs(ref).max() > 1.0  # logits are far from uniform: the comparison has teeth
+    np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=0)
+
+
+def test_cache_prefill_and_decode_match_transformers(checkpoints, tokens):
+    folder, torch_model = checkpoints["qwen2"]
+    model, _ = from_pretrained(folder)
+    fn, state = forward(model)
+    logits, cache = fn(state, tokens[:, :6], cache=model.init_cache(2, 16))
+    pieces = [logits]
+    for i in range(6, tokens.shape[1]):
+        step, cache = fn(state, tokens[:, i:i + 1], cache=cache)
+        pieces.append(step)
+    np.testing.assert_allclose(np.concatenate(pieces, 1), torch_logits(torch_model, tokens), atol=1e-4, rtol=0)
+
+
+def test_sharded_load_matches_transformers(checkpoints, tokens):
+    folder, torch_model = checkpoints["qwen2"]
+    mesh = make_mesh({"fsdp": 4, "tensor": 2})
+    model, _ = from_pretrained(folder, mesh=mesh)
+    kernel = model.layers.mlp.gate_proj.kernel[...]
+    assert kernel.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor")
+    fn, state = forward(model)
+    batch = np.concatenate([tokens] * 4)
+    np.testing.assert_allclose(fn(state, batch), np.concatenate([torch_logits(torch_model, tokens)] * 4),
+                               atol=1e-4, rtol=0)
+
+
+def test_bf16_compute_is_close(checkpoints, tokens):
+    folder, torch_model = checkpoints["qwen2"]
+    model, _ = from_pretrained(folder, dtype="bfloat16", param_dtype="bfloat16", remat=True)
+    assert model.embed_tokens.embedding[...].dtype == jnp.bfloat16 and model.config.remat
+    fn, state = forward(model)
+    ours = np.asarray(fn(state, tokens))
+    ref = torch_logits(torch_model, tokens)
+    assert np.abs(ours - ref).max() < 0.1 * np.abs(ref).max()
+
+
+def test_tokenizer_from_folder_matches_transformers(checkpoints):
+    for name in CONFIGS:
+        folder, _ = checkpoints[name]
+        _, tok = from_pretrained(folder)
+        # (AutoTokenizer would pick Qwen2Tokenizer from config.json and rebuild a different vocabulary.)
+        hf = transformers.PreTrainedTokenizerFast.from_pretrained(folder)
+        messages = [{"role": "system", "content": "w1 w2"}, {"role": "user", "content": " w3 w4 \n"}]
+        for generation_prompt in (True, False):
+            ours = tok.apply_chat_template(messages, add_generation_prompt=generation_prompt)
+            theirs = hf.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
+            assert ours == theirs
+        tools = [{"name": "calc", "doc": "a 'quoted' <tag> & é"}]
+        assert tok.apply_chat_template(messages, tools=tools) == hf.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=True, tokenize=False)
+        text = tok.apply_chat_template(messages)
+        assert tok.encode(text) == hf(text, add_special_tokens=False)["input_ids"]
+        assert (tok.bos_id, tok.eos_id, tok.pad_id) == (1, 2, 2)
+        assert tok.decode(tok.encode("w5 w6")) == "w5 w6"
+        with pytest.raises(Exception, match="bad role"):
+            tok.apply_chat_template([{"role": "tool", "content": "x"}])
+
+
+def _copy(folder, tmp_path, name):
+    target = tmp_path / name
+    shutil.copytree(folder, target)
+    return target
+
+
+def test_loader_errors_name_the_problem(checkpoints, tmp_path):
+    folder, _ = checkpoints["qwen2"]
+    tensors = {k: torch.from_numpy(np.array(v)) for k, v in read_safetensors(folder / "model.safetensors").items()}
+
+    missing = _copy(folder, tmp_path, "missing")
+    safetensors_torch.save_file({k: v for k, v in tensors.items() if k != "model.layers.1.mlp.up_proj.weight"},
+                                missing / "model.safetensors")
+    with pytest.raises(ValueError, match="'model.layers.1.mlp.up_proj.weight' is missing"):
+        from_pretrained(missing)
+
+    bad_shape = _copy(folder, tmp_path, "bad_shape")
+    safetensors_torch.save_file(dict(tensors, **{"model.norm.weight": torch.zeros(7)}),
+                                bad_shape / "model.safetensors")
+    with pytest.raises(ValueError, match=r"'model.norm.weight' has shape \(7,\), expected \(48,\)"):
+        from_pretrained(bad_shape)
+
+    extra = _copy(folder, tmp_path, "extra")
+    safetensors_torch.save_file(dict(tensors, **{"model.layers.3.mlp.up_proj.weight": torch.zeros(2)}),
+                                extra / "model.safetensors")
+    with pytest.raises(ValueError, match="not used by a 3-layer model.*layers.3.mlp"):
+        from_pretrained(extra)
+
+    other_arch = _copy(folder, tmp_path, "gemma")
+    config = json.loads((folder / "config.json").read_text())
+    (other_arch / "config.json").write_text(json.dumps(dict(config, model_type="gemma")))
+    with pytest.raises(ValueError, match="model_type 'gemma' is not supported"):
+        from_pretrained(other_arch)
+    (other_arch / "config.json").write_text(json.dumps(dict(config, rope_parameters={"rope_type": "yarn"})))
+    with pytest.raises(ValueError, match="rope type 'yarn' is not supported"):
+        from_pretrained(other_arch)
+
+    no_tokenizer = _copy(folder, tmp_path, "no_tokenizer")
+    (no_tokenizer / "tokenizer.json").unlink()
+    with pytest.raises(FileNotFoundError, match="no tokenizer.json"):
+        from_pretrained(no_tokenizer)
+
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="unknown model source 'gpt-17'"):
+        from_pretrained("gpt-17")
