@@ -31,7 +31,14 @@ flags.mark_flags_as_required(["config", "workdir"])
 def main(argv):
     del argv
     from logra_jax.rl import trainer  # imports jax: after the flags above are parsed
-    trainer.train(_CONFIG.value, _WORKDIR.value)
+    try:
+        run = trainer.Run(_CONFIG.value, _WORKDIR.value)
+    except (ValueError, FileNotFoundError) as e:  # bad config or input: one line, no traceback
+        sys.exit(f"error: {e}")
+    try:
+        run.loop()
+    finally:
+        run.close()
 
 
 def check_argv(argv) -> None:

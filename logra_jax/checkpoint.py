@@ -8,11 +8,24 @@ complete checkpoints; the last ``keep`` are kept.
 
 from __future__ import annotations
 
+import contextlib
 import pathlib
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from absl import logging
+
+
+@contextlib.contextmanager
+def _quiet():
+    """Orbax logs a dozen INFO lines per save through absl; keep a training log readable."""
+    level = logging.get_verbosity()
+    logging.set_verbosity(min(level, logging.WARNING))  # absl: larger = more verbose
+    try:
+        yield
+    finally:
+        logging.set_verbosity(level)
 
 
 class Checkpointer:
@@ -24,23 +37,26 @@ class Checkpointer:
         self.directory = pathlib.Path(directory).absolute()
         # Synchronous saves: a step is only reported done once it is on disk, which is what resume
         # and the tests rely on; a save costs well under the step time of any real run.
-        self._manager = ocp.CheckpointManager(
-            self.directory,
-            options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
-                                                 enable_async_checkpointing=False),
-            item_names=("state", "meta"),
-        )
+        with _quiet():
+            self._manager = ocp.CheckpointManager(
+                self.directory,
+                options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
+                                                     enable_async_checkpointing=False),
+                item_names=("state", "meta"),
+            )
 
     def latest_step(self) -> int | None:
-        return self._manager.latest_step()
+        with _quiet():
+            return self._manager.latest_step()
 
     def all_steps(self) -> list[int]:
         return list(self._manager.all_steps())
 
     def save(self, step: int, state: Any, meta: dict) -> None:
-        self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                         meta=ocp.args.JsonSave(meta)))
-        self._manager.wait_until_finished()
+        with _quiet():
+            self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                             meta=ocp.args.JsonSave(meta)))
+            self._manager.wait_until_finished()
 
     def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
         """Restores onto the shapes, dtypes and shardings of ``abstract_state``.
@@ -48,12 +64,14 @@ class Checkpointer:
         ``abstract_state`` may hold real arrays or `jax.ShapeDtypeStruct`s with shardings.
         """
         target = jax.tree.map(_abstract, abstract_state)
-        restored = self._manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
+        with _quiet():
+            restored = self._manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
         return restored["state"], dict(restored["meta"])
 
     def close(self) -> None:
-        self._manager.close()
+        with _quiet():
+            self._manager.close()
 
 
 def _abstract(x):

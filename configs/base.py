@@ -1,0 +1,77 @@
+"""Every key a run can set, with the reference defaults; the named configs override a few.
+
+Sections: model, mesh, data, rl (TRL/Tunix names), optimizer (LoGRA's §2–6 knobs or dense AdamW),
+checkpoint, log. A command-line ``--config.a.b=v`` must name a key defined here.
+"""
+
+import ml_collections
+
+from logra_jax.optim import DEFAULT_TARGETS
+
+
+def get_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.seed = 0
+    c.max_steps = 100
+
+    c.model = ml_collections.ConfigDict(dict(
+        source="smollm2-135m-instruct",   # or a local HF folder, a .gguf file, or "tiny" (random)
+        dtype="float32",                  # compute dtype
+        param_dtype="float32",            # master weights
+        remat=False,
+        init_seed=0,                      # random init of source="tiny"
+        tiny=ml_collections.ConfigDict(dict(
+            hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+            intermediate_size=128, rope_theta=10000.0, rms_norm_eps=1e-5, qkv_bias=False,
+            tie_embeddings=True, max_position_embeddings=512)),
+    ))
+    # Axis sizes; -1 takes whatever devices the other axes leave.
+    c.mesh = ml_collections.ConfigDict(dict(fsdp=-1, tensor=1))
+
+    c.data = ml_collections.ConfigDict(dict(
+        source="task",                    # "task" (reasoning-gym, offline) | "gsm8k" (local JSONL)
+        task="chain_sum",
+        task_kwargs=ml_collections.ConfigDict(dict(min_terms=2, max_terms=2, min_digits=1,
+                                                   max_digits=1)),
+        task_seed=0,
+        size=10_000,
+        gsm8k_dir="",                     # folder with train.jsonl / test.jsonl
+        split="train",
+        system_prompt="",
+        instruction="",                   # appended to the question; "" = the question alone
+        prompts_per_step=8,
+        shuffle=True,
+    ))
+
+    c.rl = ml_collections.ConfigDict(dict(
+        algorithm="grpo",                 # "grpo" | "reinforce" (the KL variant's objective)
+        num_generations=4,
+        temperature=1.0, top_p=1.0, top_k=0,
+        max_prompt_length=96, max_completion_length=48,
+        beta=0.0, kl_estimator="k3",
+        epsilon=0.2, epsilon_high=0.0,    # 0 → symmetric clipping
+        loss_agg_mode="token-mean",
+        scale_rewards=True,
+        micro_batch_size=8,
+        failure_reward=-0.01, baseline_momentum=0.9, is_cap=2.0,   # reinforce only
+        format_reward_weight=0.0,
+    ))
+
+    c.optimizer = ml_collections.ConfigDict(dict(
+        name="logra",                     # "logra" | "adamw" (the dense baseline)
+        variant="grpo",                   # logra: "grpo" | "kl"
+        learning_rate=1e-6, warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
+        # sketch and RowAdam (ALGORITHM.md §2–4)
+        targets=DEFAULT_TARGETS, rank=256, b2=0.95, eps=1e-8, sketch_seed=42, refresh=True,
+        distribution="rademacher",
+        others="adamw", others_learning_rate=5e-6,
+        # predicted-KL control (§6)
+        kl_control=False, kl_budget=2e-4, kl_budget_final=2e-5, kl_budget_horizon=300,
+        alpha_max=3.0, update_ratio=6e-5, probe_size=2,
+        # dense AdamW baseline
+        b1=0.9, adam_b2=0.999, adam_eps=1e-8,
+    ))
+
+    c.checkpoint = ml_collections.ConfigDict(dict(every=10, keep=2))
+    c.log = ml_collections.ConfigDict(dict(tensorboard=True, progress=True, sample_every=10))
+    return c

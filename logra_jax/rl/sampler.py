@@ -1,0 +1,186 @@
+"""Batched generation with a preallocated KV cache, under one jit, with params as a traced argument.
+
+Weights are an argument: `Sampler.generate(params, ...)` binds the params dict to the model graph
+inside the jitted function (`Policy.bind`), so new weights of the same shapes and dtypes reuse the
+compiled program.
+
+Prompts are left-aligned internally: every row's last prompt token sits in the last prompt slot,
+so one decode position serves the whole batch. RoPE positions count real tokens only
+(position = number of real tokens before it), so left padding does not shift a row's positions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from logra_jax.rl.policy import Policy
+
+NEG_INF = -1e30
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SampleOutput:
+    """Completions of a batch: tokens, the sampling log-probs of each token, and validity masks.
+
+    ``logprobs`` are log softmax(logits / temperature) of the sampled token, before top-k/top-p
+    truncation: with temperature 1 they are the model's own log-probs, which is what the RL losses
+    compare against. ``mask`` is True for generated tokens up to and including EOS.
+    """
+
+    prompt_tokens: jax.Array      # [b, P] left-padded
+    prompt_mask: jax.Array        # [b, P] bool
+    tokens: jax.Array             # [b, C]
+    logprobs: jax.Array           # [b, C] float32
+    mask: jax.Array               # [b, C] bool
+    finished: jax.Array           # [b] bool: the row emitted EOS
+
+
+def left_align(tokens: np.ndarray | jax.Array, mask: np.ndarray | jax.Array, pad_id: int):
+    """Moves each row's real tokens to the right end ([pad … pad, t0 … tn]).
+
+    Accepts left- or right-padded (or arbitrarily holed) rows; token order within a row is kept.
+    """
+    tokens = jnp.asarray(tokens, jnp.int32)
+    mask = jnp.asarray(mask, bool)
+    # Stable sort on "is real" puts pads first and keeps the real tokens in order.
+    order = jnp.argsort(mask.astype(jnp.int32), axis=1, stable=True)
+    tokens = jnp.take_along_axis(tokens, order, axis=1)
+    mask = jnp.take_along_axis(mask, order, axis=1)
+    return jnp.where(mask, tokens, pad_id), mask
+
+
+def pad_prompts(prompts: Sequence[Sequence[int]], length: int, pad_id: int):
+    """Left-pads token lists to ``length``; a prompt longer than that is an error, not a truncation."""
+    too_long = [i for i, p in enumerate(prompts) if len(p) > length]
+    if too_long:
+        longest = max(len(prompts[i]) for i in too_long)
+        raise ValueError(f"{len(too_long)} prompt(s) exceed max_prompt_length={length} "
+                         f"(longest has {longest} tokens); raise max_prompt_length or shorten them")
+    tokens = np.full((len(prompts), length), pad_id, np.int32)
+    mask = np.zeros((len(prompts), length), bool)
+    for i, p in enumerate(prompts):
+        if len(p):
+            tokens[i, length - len(p):] = p
+            mask[i, length - len(p):] = True
+    return tokens, mask
+
+
+def filter_logits(logits: jax.Array, top_k: int, top_p: float) -> jax.Array:
+    """Top-k then nucleus (top-p) filtering; removed entries become -inf. top_k=0 / top_p=1 disable."""
+    if top_k and top_k < logits.shape[-1]:
+        kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
+        logits = jnp.where(logits < kth, NEG_INF, logits)
+    if top_p < 1.0:
+        sorted_logits = jnp.sort(logits, axis=-1)[..., ::-1]
+        probs = jax.nn.softmax(sorted_logits, axis=-1)
+        # Keep the smallest prefix whose mass reaches top_p (the token crossing it is kept).
+        mass_before = jnp.cumsum(probs, axis=-1) - probs
+        keep = mass_before < top_p
+        threshold = jnp.min(jnp.where(keep, sorted_logits, jnp.inf), axis=-1, keepdims=True)
+        logits = jnp.where(logits < threshold, NEG_INF, logits)
+    return logits
+
+
+class Sampler:
+    """Generates completions for a model whose weights change between calls.
+
+    Args:
+      policy: the model graph (weights come with every call as a params dict).
+      max_prompt_length, max_completion_length: static sizes of the prompt window and the cache.
+      eos_ids: token ids that end a completion.
+      pad_id: id written in padded slots.
+    """
+
+    def __init__(self, policy: Policy, *, max_prompt_length: int, max_completion_length: int,
+                 eos_ids: Sequence[int], pad_id: int):
+        if max_prompt_length <= 0 or max_completion_length <= 0:
+            raise ValueError("max_prompt_length and max_completion_length must be positive, got "
+                             f"{max_prompt_length} and {max_completion_length}")
+        if not eos_ids:
+            raise ValueError("eos_ids must name at least one end-of-sequence token")
+        self.policy = policy
+        self.max_prompt_length = max_prompt_length
+        self.max_completion_length = max_completion_length
+        self.eos_ids = tuple(int(e) for e in eos_ids)
+        self.pad_id = int(pad_id)
+        self._generate = jax.jit(self._generate_impl, static_argnames=("top_k", "top_p", "greedy"))
+
+    def generate(self, params, prompt_tokens, prompt_mask, rng, *, temperature: float = 1.0,
+                 top_p: float = 1.0, top_k: int = 0, greedy: bool = False) -> SampleOutput:
+        """Samples one completion per row with the given weights (any values, fixed shapes)."""
+        if prompt_tokens.shape[1] != self.max_prompt_length:
+            raise ValueError(f"prompt_tokens has length {prompt_tokens.shape[1]}, the sampler was built "
+                             f"for max_prompt_length={self.max_prompt_length}; pad with pad_prompts()")
+        if not greedy and not temperature > 0:
+            raise ValueError(f"temperature must be > 0 when sampling, got {temperature}")
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        return self._generate(params, jnp.asarray(prompt_tokens), jnp.asarray(prompt_mask), rng,
+                              jnp.float32(temperature), top_k=int(top_k), top_p=float(top_p),
+                              greedy=bool(greedy))
+
+    def generate_text(self, params, tokenizer, prompts: Sequence[str], rng, **kwargs) -> list[str]:
+        """Convenience: strings in, decoded completions out (EOS and padding dropped)."""
+        tokens, mask = pad_prompts([tokenizer.encode(p) for p in prompts], self.max_prompt_length,
+                                   self.pad_id)
+        out = self.generate(params, tokens, mask, rng, **kwargs)
+        toks, valid = np.asarray(out.tokens), np.asarray(out.mask)
+        eos = set(self.eos_ids)
+        return [tokenizer.decode([int(t) for t, v in zip(row, m) if v and int(t) not in eos])
+                for row, m in zip(toks, valid)]
+
+    def _generate_impl(self, params, prompt_tokens, prompt_mask, rng, temperature, *,
+                       top_k: int, top_p: float, greedy: bool) -> SampleOutput:
+        model = self.policy.bind(params)
+        batch, prompt_len = prompt_tokens.shape
+        steps = self.max_completion_length
+        prompt_tokens, prompt_mask = left_align(prompt_tokens, prompt_mask, self.pad_id)
+        positions = jnp.maximum(jnp.cumsum(prompt_mask, axis=1) - 1, 0).astype(jnp.int32)
+        next_position = jnp.sum(prompt_mask, axis=1).astype(jnp.int32)           # [b]
+
+        cache = model.init_cache(batch, prompt_len + steps)
+        logits, cache = model(prompt_tokens, positions=positions, segment_mask=prompt_mask,
+                              cache=cache)
+        last_logits = logits[:, -1].astype(jnp.float32)
+        eos = jnp.asarray(self.eos_ids, jnp.int32)
+
+        def pick(logits_t, key):
+            scaled = logits_t / jnp.where(greedy, 1.0, temperature)
+            logprobs_all = jax.nn.log_softmax(scaled, axis=-1)
+            if greedy:
+                token = jnp.argmax(logits_t, axis=-1).astype(jnp.int32)
+            else:
+                token = jax.random.categorical(key, filter_logits(scaled, top_k, top_p)).astype(jnp.int32)
+            return token, jnp.take_along_axis(logprobs_all, token[:, None], axis=-1)[:, 0]
+
+        def cond(carry):
+            step, _, _, done, _ = carry[:5]
+            return (step < steps) & ~jnp.all(done)
+
+        def body(carry):
+            step, cache, logits_t, done, position, key, tokens, logprobs, mask = carry
+            key, sub = jax.random.split(key)
+            token, logprob = pick(logits_t, sub)
+            valid = ~done
+            token = jnp.where(valid, token, self.pad_id)
+            tokens = tokens.at[:, step].set(token)
+            logprobs = logprobs.at[:, step].set(jnp.where(valid, logprob, 0.0))
+            mask = mask.at[:, step].set(valid)
+            done = done | jnp.isin(token, eos)
+            out, cache = model(token[:, None], positions=position[:, None],
+                               segment_mask=valid[:, None], cache=cache)
+            return (step + 1, cache, out[:, -1].astype(jnp.float32), done, position + 1, key,
+                    tokens, logprobs, mask)
+
+        init = (jnp.int32(0), cache, last_logits, jnp.zeros((batch,), bool), next_position, rng,
+                jnp.full((batch, steps), self.pad_id, jnp.int32), jnp.zeros((batch, steps), jnp.float32),
+                jnp.zeros((batch, steps), bool))
+        _, _, _, done, _, _, tokens, logprobs, mask = jax.lax.while_loop(cond, body, init)
+        return SampleOutput(prompt_tokens=prompt_tokens, prompt_mask=prompt_mask, tokens=tokens,
+                            logprobs=logprobs, mask=mask, finished=done)

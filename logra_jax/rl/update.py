@@ -1,0 +1,198 @@
+"""One policy update, jitted: micro-batched gradients → optimizer → merge → realized KL on the probe.
+
+With LoGRA the gradient of every target is its sketch S = G·Aᵀ (ALGORITHM.md §3): the loss is
+differentiated with respect to the zero probe factors B, never the target kernels, and the
+micro-batch sum lives in sketch space (out × r per target), so no full-size gradient accumulator
+exists. Dense AdamW, the baseline, runs the same loop with ordinary gradients.
+
+The predicted-KL controller (§6) sees the candidate update through one JVP on a probe batch (the
+first ``probe_size`` rows); after the merge the same rows give the realized KL(π_old ‖ π_new).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from logra_jax.optim import (SketchSpec, apply_updates, exact_kl, make_predict_kl, make_probes,
+                             merge_targets, probe_factors, split_targets, update_index, with_factors)
+from logra_jax.rl import losses
+from logra_jax.rl.policy import Policy, Sequences
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TrainBatch:
+    """Everything one update needs about a batch of rollouts ([b] or [b, C] arrays)."""
+
+    seqs: Sequences
+    advantages: jax.Array      # [b]
+    rollout_logp: jax.Array    # [b, C] log-probs the sampler drew the tokens with
+    ref_logp: jax.Array        # [b, C] reference-model log-probs (zeros when beta = 0)
+    completed: jax.Array       # [b] the row ended with EOS (mismatch is measured on these only)
+
+    @property
+    def size(self) -> int:
+        return self.advantages.shape[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+    """The RL objective (ALGORITHM.md §7; names follow TRL)."""
+
+    algorithm: str = "grpo"          # "grpo" | "reinforce" (the KL variant's REINFORCE)
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    beta: float = 0.0
+    kl_estimator: str = "k3"
+    loss_agg_mode: str = "token-mean"
+    is_cap: float = 2.0
+    temperature: float = 1.0
+
+    def __post_init__(self):
+        if self.algorithm not in ("grpo", "reinforce"):
+            raise ValueError(f"algorithm must be 'grpo' or 'reinforce', got {self.algorithm!r}")
+
+
+def _tree_add(a, b):
+    return jax.tree.map(jnp.add, a, b)
+
+
+class PolicyUpdate:
+    """Builds and holds the jitted update for one (policy, optimizer, loss) triple.
+
+    Args:
+      policy: the model graph.
+      tx: the optimizer (`logra(...)` or any optax transformation for dense gradients).
+      loss: the objective.
+      micro_batch_size: rows per gradient pass; the batch size must be a multiple of it.
+      probe_size: rows (from the start of the batch) for predicted and realized KL.
+      sketch: the SketchSpec `tx` was built with, or None for a dense optimizer.
+      train_others: whether non-target params get gradients (False: frozen, as in the KL variant;
+        their dense gradient is then never computed).
+      kl_control: pass ``predict_kl`` and ``mismatch`` to ``tx.update``.
+    """
+
+    def __init__(self, policy: Policy, tx: optax.GradientTransformation, loss: LossConfig, *,
+                 micro_batch_size: int, probe_size: int, sketch: SketchSpec | None,
+                 train_others: bool = True, kl_control: bool = False):
+        if micro_batch_size <= 0 or probe_size <= 0:
+            raise ValueError(f"micro_batch_size and probe_size must be positive, got "
+                             f"{micro_batch_size} and {probe_size}")
+        if kl_control and sketch is None:
+            raise ValueError("kl_control needs the LoGRA optimizer (a SketchSpec)")
+        self.policy = policy
+        self.tx = tx
+        self.loss = loss
+        self.micro_batch_size = micro_batch_size
+        self.probe_size = probe_size
+        self.sketch = sketch
+        self.train_others = train_others
+        self.kl_control = kl_control
+        self._step = None
+
+    def __call__(self, params, opt_state, batch: TrainBatch):
+        if batch.size % self.micro_batch_size:
+            raise ValueError(f"batch of {batch.size} rows is not a multiple of micro_batch_size="
+                             f"{self.micro_batch_size}")
+        if batch.size < self.probe_size:
+            raise ValueError(f"probe_size={self.probe_size} exceeds the batch of {batch.size} rows")
+        if self._step is None:
+            # Params and optimizer state are donated (the merge then updates weights in place) and
+            # come back with the shardings they came in with, so the next call (and the sampler,
+            # which reads the same params) reuse their compiled programs.
+            keep = jax.tree.map(lambda x: x.sharding, (params, opt_state))
+            self._step = jax.jit(self._step_impl, donate_argnums=(0, 1),
+                                 out_shardings=(keep[0], keep[1], None))
+        return self._step(params, opt_state, batch)
+
+    # -- the objective on one micro-batch -------------------------------------------------------
+    def _objective(self, params, probes, mb: TrainBatch):
+        cfg = self.loss
+        logp, entropy = self.policy.completion_logprobs(params, mb.seqs, probes=probes,
+                                                        temperature=cfg.temperature)
+        mask = mb.seqs.completion_mask
+        if cfg.algorithm == "grpo":
+            loss, metrics = losses.grpo_loss(
+                logp, jax.lax.stop_gradient(logp), mb.advantages, mask,
+                ref_logp=mb.ref_logp if cfg.beta > 0 else None, epsilon=cfg.epsilon,
+                epsilon_high=cfg.epsilon_high, beta=cfg.beta, kl_estimator=cfg.kl_estimator,
+                loss_agg_mode=cfg.loss_agg_mode)
+        else:
+            loss, metrics = losses.reinforce_loss(logp, mb.rollout_logp, mb.advantages, mask,
+                                                  is_cap=cfg.is_cap, loss_agg_mode=cfg.loss_agg_mode)
+        maskf = mask.astype(jnp.float32)
+        # Sampler-vs-trainer log-prob gap on completed responses: the controller's mismatch term.
+        done = maskf * mb.completed[:, None].astype(jnp.float32)
+        gap = jax.lax.stop_gradient(mb.rollout_logp - logp)
+        aux = dict(metrics, loss=loss,
+                   entropy=jnp.sum(entropy * maskf) / jnp.maximum(jnp.sum(maskf), 1.0),
+                   mismatch_sum=jnp.sum(gap * done), mismatch_count=jnp.sum(done))
+        return loss, aux
+
+    # -- the jitted step --------------------------------------------------------------------------
+    def _step_impl(self, params, opt_state, batch: TrainBatch):
+        n_micro = batch.size // self.micro_batch_size
+        micro = jax.tree.map(lambda x: x.reshape((n_micro, self.micro_batch_size) + x.shape[1:]),
+                             batch)
+        probe = jax.tree.map(lambda x: x[:self.probe_size], batch)
+
+        if self.sketch is not None:
+            targets, others = split_targets(params, self.sketch)
+            probes = make_probes(params, update_index(opt_state), self.sketch)
+            factors = probe_factors(probes)
+
+            def objective(others, factors, mb):
+                return self._objective(merge_targets(others, targets), with_factors(probes, factors), mb)
+
+            if self.train_others:
+                grad_fn = jax.grad(objective, argnums=(0, 1), has_aux=True)
+                wrt = (others, factors)
+            else:
+                grad_fn = jax.grad(lambda f, mb: objective(others, f, mb), has_aux=True)
+                wrt = factors
+        else:
+            grad_fn = jax.grad(lambda p, mb: self._objective(p, None, mb), has_aux=True)
+            wrt = params
+
+        def accumulate(total, mb):
+            if self.sketch is not None and self.train_others:
+                grads, aux = grad_fn(*wrt, mb)
+            else:
+                grads, aux = grad_fn(wrt, mb)
+            return _tree_add(total, grads), aux
+
+        zeros = jax.tree.map(jnp.zeros_like, wrt)
+        total, aux = jax.lax.scan(accumulate, zeros, micro)
+        mean_grads = jax.tree.map(lambda g: g / n_micro, total)
+        if self.sketch is None:
+            grads = mean_grads
+        elif self.train_others:
+            grads = merge_targets(mean_grads[0], mean_grads[1])
+        else:
+            grads = merge_targets(jax.tree.map(jnp.zeros_like, others), mean_grads)
+
+        mismatch = jnp.sum(aux.pop("mismatch_sum")) / jnp.maximum(jnp.sum(aux.pop("mismatch_count")), 1.0)
+        metrics = {name: jnp.mean(value) for name, value in aux.items()}
+        metrics["logra/mismatch_now"] = mismatch
+
+        extra = {}
+        if self.kl_control:
+            def probe_logits(others_, factors_):
+                p = merge_targets(others_, targets)
+                return self.policy.completion_logits(p, probe.seqs, probes=with_factors(probes, factors_))
+            extra = dict(predict_kl=make_predict_kl(
+                probe_logits, others, factors, probe.seqs.completion_mask, self.loss.temperature,
+                others_frozen=not self.train_others), mismatch=mismatch)
+
+        logits_old = self.policy.completion_logits(params, probe.seqs)
+        updates, opt_state = self.tx.update(grads, opt_state, params, **extra)
+        params = apply_updates(params, updates)
+        logits_new = self.policy.completion_logits(params, probe.seqs)
+        metrics["logra/realized_kl"] = exact_kl(logits_old, logits_new, probe.seqs.completion_mask,
+                                                self.loss.temperature)
+        metrics["grad_norm"] = optax.global_norm(grads)
+        return params, opt_state, metrics
