@@ -65,7 +65,7 @@ class Policy:
     @staticmethod
     def params_of(model: nnx.Module) -> dict:
         """The model's parameters as a nested dict of arrays (the optimizer's view)."""
-        return nnx.state(model, nnx.Param).to_pure_dict()
+        return nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
     def bind(self, params: dict) -> nnx.Module:
         state = jax.tree.map(lambda x: x, self._skeleton)

@@ -1,0 +1,114 @@
+"""KV-cache sampler: cache == recompute, log-probs, stopping, padding, no recompiles."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from logra_jax.models import Decoder
+from logra_jax.models.config import tiny
+from logra_jax.rl.policy import Policy, Sequences
+from logra_jax.rl.sampler import Sampler, filter_logits, left_align, pad_prompts
+
+PROMPT_LEN, STEPS, PAD = 8, 6, 0
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model = Decoder(tiny(), rngs=nnx.Rngs(0))
+    policy = Policy(model)
+    params = Policy.params_of(model)
+    # An EOS id no random token will hit, so every row runs the full length unless a test says so.
+    sampler = Sampler(policy, max_prompt_length=PROMPT_LEN, max_completion_length=STEPS,
+                      eos_ids=[95], pad_id=PAD)
+    prompts = [[5, 6, 7], [9, 10, 11, 12, 13, 14], [3]]
+    tokens, mask = pad_prompts(prompts, PROMPT_LEN, PAD)
+    return policy, params, sampler, prompts, tokens, mask
+
+
+def greedy_by_recompute(policy, params, prompt, steps):
+    """Reference: re-run the whole sequence without a cache for every new token."""
+    seq = list(prompt)
+    model = policy.bind(params)
+    for _ in range(steps):
+        logits = model(jnp.asarray([seq], jnp.int32))
+        seq.append(int(jnp.argmax(logits[0, -1])))
+    return seq[len(prompt):]
+
+
+def test_greedy_with_cache_equals_recompute(setup):
+    policy, params, sampler, prompts, tokens, mask = setup
+    out = sampler.generate(params, tokens, mask, jax.random.PRNGKey(0), greedy=True)
+    for row, prompt in enumerate(prompts):
+        assert np.asarray(out.tokens[row]).tolist() == greedy_by_recompute(policy, params, prompt, STEPS)
+    assert bool(np.all(out.mask))
+
+
+def test_sampled_logprobs_are_the_models(setup):
+    policy, params, sampler, _, tokens, mask = setup
+    out = sampler.generate(params, tokens, mask, jax.random.PRNGKey(1), temperature=1.0, top_p=1.0)
+    seqs = Sequences.from_sample(out.prompt_tokens, out.prompt_mask, out.tokens, out.mask)
+    logp, _ = policy.completion_logprobs(params, seqs)
+    np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(logp) * np.asarray(out.mask),
+                               atol=1e-5)
+
+
+def test_new_weights_do_not_recompile(setup):
+    _, params, sampler, _, tokens, mask = setup
+    sampler.generate(params, tokens, mask, jax.random.PRNGKey(2))
+    size = sampler._generate._cache_size()
+    moved = jax.tree.map(lambda x: x * 1.01, params)
+    out = sampler.generate(moved, tokens, mask, jax.random.PRNGKey(2))
+    assert sampler._generate._cache_size() == size
+    first = sampler.generate(params, tokens, mask, jax.random.PRNGKey(2))
+    assert not np.array_equal(np.asarray(out.logprobs), np.asarray(first.logprobs))
+
+
+def test_eos_stops_a_row_and_masks_the_rest(setup):
+    policy, params, _, prompts, tokens, mask = setup
+    first = greedy_by_recompute(policy, params, prompts[0], 2)
+    sampler = Sampler(policy, max_prompt_length=PROMPT_LEN, max_completion_length=STEPS,
+                      eos_ids=[first[1]], pad_id=PAD)
+    out = sampler.generate(params, tokens[:1], mask[:1], jax.random.PRNGKey(0), greedy=True)
+    assert np.asarray(out.tokens[0, :2]).tolist() == first
+    assert np.asarray(out.mask[0]).tolist() == [True, True] + [False] * (STEPS - 2)
+    assert bool(out.finished[0])
+    assert np.all(np.asarray(out.tokens[0, 2:]) == PAD)
+
+
+def test_right_padding_gives_the_same_completions(setup):
+    _, params, sampler, prompts, tokens, mask = setup
+    right = np.full_like(tokens, PAD)
+    right_mask = np.zeros_like(mask)
+    for i, p in enumerate(prompts):
+        right[i, :len(p)] = p
+        right_mask[i, :len(p)] = True
+    a = sampler.generate(params, tokens, mask, jax.random.PRNGKey(3), greedy=True)
+    b = sampler.generate(params, right, right_mask, jax.random.PRNGKey(3), greedy=True)
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    aligned, aligned_mask = left_align(right, right_mask, PAD)
+    np.testing.assert_array_equal(aligned, tokens)
+    np.testing.assert_array_equal(aligned_mask, mask)
+
+
+def test_filters():
+    logits = jnp.log(jnp.asarray([[0.5, 0.3, 0.15, 0.05]]))
+    kept = lambda x: np.isfinite(np.asarray(x)) & (np.asarray(x) > -1e29)
+    assert kept(filter_logits(logits, top_k=2, top_p=1.0)).tolist() == [[True, True, False, False]]
+    # Nucleus: the smallest prefix reaching 0.7 is {0.5, 0.3}; 0.85 needs three tokens.
+    assert kept(filter_logits(logits, top_k=0, top_p=0.7)).tolist() == [[True, True, False, False]]
+    assert kept(filter_logits(logits, top_k=0, top_p=0.85)).tolist() == [[True, True, True, False]]
+    assert kept(filter_logits(logits, top_k=0, top_p=1.0)).all()
+
+
+def test_bad_input_is_rejected(setup):
+    policy, params, sampler, _, tokens, mask = setup
+    with pytest.raises(ValueError, match="max_prompt_length=4"):
+        pad_prompts([[1, 2, 3, 4, 5]], 4, PAD)
+    with pytest.raises(ValueError, match="temperature"):
+        sampler.generate(params, tokens, mask, jax.random.PRNGKey(0), temperature=0.0)
+    with pytest.raises(ValueError, match="top_p"):
+        sampler.generate(params, tokens, mask, jax.random.PRNGKey(0), top_p=0.0)
+    with pytest.raises(ValueError, match="eos_ids"):
+        Sampler(policy, max_prompt_length=4, max_completion_length=4, eos_ids=[], pad_id=PAD)
