@@ -49,10 +49,17 @@ def predicted_kl_from_tangent(logits: jax.Array, logit_tangent: jax.Array, respo
 
 def exact_kl(logits_old: jax.Array, logits_new: jax.Array, response_mask: jax.Array,
              temperature: float = 1.0) -> jax.Array:
-    """KL(π_old ‖ π_new) per token at temperature T, averaged over response tokens (the realized KL)."""
-    logp_old = jax.nn.log_softmax(logits_old.astype(jnp.float32) / temperature, axis=-1)
-    logp_new = jax.nn.log_softmax(logits_new.astype(jnp.float32) / temperature, axis=-1)
-    per_token = jnp.sum(jnp.exp(logp_old) * (logp_old - logp_new), axis=-1)
+    """KL(π_old ‖ π_new) per token at temperature T, averaged over response tokens (the realized KL).
+
+    Exact, written for fp32 at the tiny KLs of one RL step: with δ = (z_new − z_old)/T and
+    c = δ − E_p[δ],  KL = log E_p[e^c] = log1p(E_p[expm1(c)]). The textbook Σ p·(log p − log q)
+    subtracts log-probabilities of size ~1 to get a result of ~1e-6 and loses it to rounding.
+    """
+    z_old = logits_old.astype(jnp.float32) / temperature
+    delta = (logits_new.astype(jnp.float32) - logits_old.astype(jnp.float32)) / temperature
+    p = jax.nn.softmax(z_old, axis=-1)
+    centred = delta - jnp.sum(p * delta, axis=-1, keepdims=True)
+    per_token = jnp.log1p(jnp.sum(p * jnp.expm1(centred), axis=-1))
     return _masked_mean(per_token, response_mask)
 
 

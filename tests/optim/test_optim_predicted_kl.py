@@ -1,0 +1,168 @@
+"""§6: the JVP-predicted KL against the exact KL of a tiny model, and the α controller."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from logra_jax.optim import (LowRankUpdate, SketchSpec, apply_updates, exact_kl,
+                             kl_budget_schedule, make_predict_kl, make_probes, merge_targets,
+                             probe_factors, scale_by_predicted_kl, split_targets, with_factors)
+from optim_tiny_lm import build
+
+SPEC = SketchSpec(rank=4, seed=11)
+TEMPERATURE = 0.7
+
+
+@pytest.fixture(scope="module")
+def setup():
+    _, params, logits_fn = build(vocab=32, d=8, f=16, num_layers=2, seed=2)
+    tokens = jax.random.randint(jax.random.PRNGKey(3), (2, 8), 0, 32)
+    mask = jnp.zeros((2, 8)).at[0, 3:].set(1.0).at[1, 5:7].set(1.0)   # response tokens only
+    probes = make_probes(params, 5, SPEC)
+    target_kernels, others = split_targets(params, SPEC)
+
+    def probe_logits(others, factors):
+        return logits_fn(merge_targets(others, target_kernels), tokens, with_factors(probes, factors))
+
+    predict = jax.jit(make_predict_kl(probe_logits, others, probe_factors(probes), mask, TEMPERATURE))
+
+    @jax.jit
+    def realized(new_params):
+        return exact_kl(logits_fn(params, tokens), logits_fn(new_params, tokens), mask, TEMPERATURE)
+
+    rng = np.random.default_rng(0)
+    direction = {"factors": {p: jnp.asarray(rng.normal(size=pr.factor.shape), jnp.float32)
+                             for p, pr in probes.items()},
+                 "others": jax.tree.map(lambda x: None if x is None else jnp.asarray(
+                     rng.normal(size=x.shape), jnp.float32), others, is_leaf=lambda x: x is None)}
+
+    def candidate(scale, with_others=True):
+        """Params-shaped factor-space update: U at targets, dense elsewhere."""
+        other_part = jax.tree.map(lambda x: None if x is None else (x * scale if with_others else 0 * x),
+                                  direction["others"], is_leaf=lambda x: x is None)
+        return merge_targets(other_part, {p: u * scale for p, u in direction["factors"].items()})
+
+    def apply(updates):
+        """What the optimizer's last transform and apply_updates do with factor-space updates."""
+        wrapped = {p: LowRankUpdate(factor=updates_leaf(updates, p), key=probes[p].key,
+                                    weight_scale=jnp.float32(1.0)) for p in probes}
+        _, dense_others = split_targets(updates, SPEC)
+        return apply_updates(params, merge_targets(dense_others, wrapped))
+
+    def updates_leaf(updates, path):
+        node = updates
+        for part in path.split("/"):
+            node = node[part]
+        return node
+
+    return dict(params=params, predict=predict, realized=realized, candidate=candidate,
+                apply=apply, probe_logits=probe_logits, others=others, probes=probes, mask=mask)
+
+
+@pytest.mark.parametrize("scale", [1e-3, 3e-4])
+def test_predicted_kl_matches_exact_kl_after_a_small_step(setup, scale):
+    update = setup["candidate"](scale)
+    pred = float(setup["predict"](update))
+    exact = float(setup["realized"](setup["apply"](update)))
+    assert exact > 0
+    assert abs(pred - exact) / exact <= 1e-2, (pred, exact)
+
+
+def test_frozen_others_skips_their_tangent(setup):
+    update = setup["candidate"](1e-3, with_others=False)
+    frozen = make_predict_kl(setup["probe_logits"], setup["others"],
+                             probe_factors(setup["probes"]), setup["mask"], TEMPERATURE,
+                             others_frozen=True)
+    np.testing.assert_allclose(float(frozen(update)), float(setup["predict"](update)), rtol=1e-5)
+
+
+def test_alpha_brings_the_realized_kl_to_the_budget(setup):
+    budget = 2e-4
+    tx = scale_by_predicted_kl(kl_budget=budget, kl_budget_final=budget / 10)
+    unit = float(setup["predict"](setup["candidate"](1e-3)))
+    # a candidate whose predicted KL is a quarter of the budget: α should be ≈ 2
+    update = setup["candidate"](1e-3 * math.sqrt(budget / 4 / unit))
+    scaled, state = tx.update(update, tx.init(None), predict_kl=setup["predict"])
+    assert 1.9 < float(state.alpha) < 2.1
+    realized = float(setup["realized"](setup["apply"](scaled)))
+    assert abs(realized - budget) / budget <= 0.05, realized
+    # α²·pred, what the metrics call the applied update's predicted KL, is what happened
+    assert abs(float(state.alpha) ** 2 * float(state.candidate_kl) - realized) / realized <= 0.03
+
+
+def _controller_step(tx, state, pred, mismatch=None):
+    update = {"w": jnp.ones((3,))}
+    return tx.update(update, state, predict_kl=lambda u: jnp.float32(pred), mismatch=mismatch)
+
+
+def test_alpha_rule_budget_schedule_and_mismatch_ema():
+    b0, bf, horizon, amax, w = 2e-4, 2e-5, 5, 3.0, 0.3
+    tx = scale_by_predicted_kl(b0, bf, horizon, amax, w)
+    state = tx.init(None)
+    m = 0.0
+    preds = [1e-4, 0.0, 1e-9, 5.0, 2e-5, 3e-5, 1e-5]
+    mismatches = [None, 4e-5, -1.0, 1e-4, None, 2e-4, 0.0]
+    for k, (pred, mm) in enumerate(zip(preds, mismatches)):
+        out, state = _controller_step(tx, state, pred, mm)
+        budget = bf + 0.5 * (b0 - bf) * (1 + math.cos(math.pi * min(k / (horizon - 1), 1)))
+        if mm is not None:
+            m = (1 - w) * m + w * max(0.0, mm)
+        effective = max(budget - m, 0.5 * budget)
+        alpha = 1.0 if pred == 0 else min(amax, math.sqrt(effective / pred))
+        np.testing.assert_allclose(float(state.effective_budget), effective, rtol=1e-5)
+        np.testing.assert_allclose(float(state.mismatch), m, rtol=1e-5, atol=1e-12)
+        np.testing.assert_allclose(float(state.alpha), alpha, rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(out["w"]), alpha, rtol=1e-5)
+        np.testing.assert_allclose(float(kl_budget_schedule(b0, bf, horizon)(k)), budget, rtol=1e-5)
+    assert int(state.count) == len(preds)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), -1e-6])
+def test_nan_or_negative_prediction_is_refused(bad):
+    tx = scale_by_predicted_kl()
+    with pytest.raises(ValueError, match="NaN or negative"):
+        _controller_step(tx, tx.init(None), bad)
+    jitted = jax.jit(lambda u, s: tx.update(u, s, predict_kl=lambda _: jnp.float32(bad)))
+    with pytest.raises(Exception, match="NaN or negative"):
+        out, _ = jitted({"w": jnp.ones((3,))}, tx.init(None))
+        jax.block_until_ready(out)
+
+
+def test_nonfinite_candidate_is_left_to_the_guard():
+    tx = scale_by_predicted_kl()
+    update = {"w": jnp.array([1.0, jnp.nan])}
+    out, state = tx.update(update, tx.init(None), predict_kl=lambda u: jnp.sum(u["w"]))
+    assert float(state.alpha) == 1.0 and np.isnan(float(state.candidate_kl))
+
+
+def test_missing_predict_kl_and_bad_arguments_raise():
+    tx = scale_by_predicted_kl()
+    with pytest.raises(ValueError, match="predict_kl"):
+        tx.update({"w": jnp.ones(2)}, tx.init(None))
+    for kwargs, name in [(dict(kl_budget=0.0), "kl_budget"), (dict(alpha_max=-1.0), "alpha_max"),
+                         (dict(kl_budget_horizon=0), "kl_budget_horizon"),
+                         (dict(mismatch_weight=1.5), "mismatch_weight")]:
+        with pytest.raises(ValueError, match=name):
+            scale_by_predicted_kl(**kwargs)
+
+
+def test_exact_kl_matches_float64_textbook_formula():
+    rng = np.random.default_rng(4)
+    old = rng.normal(size=(3, 4, 50)) * 3
+    mask = np.array([[1, 1, 0, 1], [0, 0, 0, 0], [1, 0, 1, 1]], np.float32)
+    for step in (1.0, 1e-2, 1e-4):
+        new = old + step * rng.normal(size=old.shape)
+
+        def log_softmax(z):
+            z = z / TEMPERATURE
+            return z - np.log(np.sum(np.exp(z - z.max(-1, keepdims=True)), -1, keepdims=True)) - z.max(-1, keepdims=True)
+        lp, lq = log_softmax(old), log_softmax(new)
+        per_token = np.sum(np.exp(lp) * (lp - lq), axis=-1)
+        expected = np.sum(per_token * mask) / mask.sum()
+        got = float(exact_kl(jnp.asarray(old, jnp.float32), jnp.asarray(new, jnp.float32),
+                             jnp.asarray(mask), TEMPERATURE))
+        # fp32 logits carry ~1e-7 relative noise into δ, hence the looser bound at the tiniest step
+        np.testing.assert_allclose(got, expected, rtol=1e-4 if step > 1e-3 else 1e-3)
