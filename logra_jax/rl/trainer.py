@@ -235,10 +235,12 @@ class Run:
     """One training run in a workdir: everything built (errors in the config surface here), then
     `loop()` trains to ``max_steps``, resuming from the latest complete checkpoint."""
 
-    def __init__(self, config: ml_collections.ConfigDict, workdir: str | pathlib.Path):
+    def __init__(self, config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,
+                 trainer: Trainer | None = None):
         self.config = config
         self.workdir = pathlib.Path(workdir)
-        self.trainer = Trainer(config)
+        # A Trainer holds compiled functions; runs of one config (e.g. a resumed run) may share it.
+        self.trainer = trainer if trainer is not None else Trainer(config)
         self.data = build_data(config.data, config.seed)
         self.ckpt = checkpoint_lib.Checkpointer(self.workdir / "checkpoints", keep=config.checkpoint.keep)
 

@@ -194,5 +194,5 @@ class PolicyUpdate:
         logits_new = self.policy.completion_logits(params, probe.seqs)
         metrics["logra/realized_kl"] = exact_kl(logits_old, logits_new, probe.seqs.completion_mask,
                                                 self.loss.temperature)
-        metrics["grad_norm"] = optax.global_norm(grads)
+        metrics["grad_norm"] = optax.tree.norm(grads)
         return params, opt_state, metrics
