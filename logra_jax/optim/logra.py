@@ -50,12 +50,16 @@ def _check(name: str, value, ok, requirement: str):
         raise ValueError(f"{name} must be {requirement}, got {value!r}")
 
 
-def warmup_constant(learning_rate, warmup_steps) -> optax.Schedule:
-    """lr·min(1, t / warmup_steps): linear warmup from 0, then constant (HF-style; t counts updates)."""
+def warmup_constant(learning_rate: optax.ScalarOrSchedule, warmup_steps) -> optax.Schedule:
+    """lr(t)·min(1, t / warmup_steps): linear warmup from 0 (HF-style; t counts updates).
+
+    Written with jnp so that warmup_steps may be an array (optax.linear_schedule needs an int).
+    """
     def schedule(count):
+        lr = learning_rate(count) if callable(learning_rate) else learning_rate
         warm = jnp.asarray(warmup_steps, jnp.float32)
         frac = jnp.where(warm > 0, jnp.minimum(1.0, count / jnp.maximum(warm, 1.0)), 1.0)
-        return learning_rate * frac
+        return jnp.asarray(lr, jnp.float32) * frac
     return schedule
 
 

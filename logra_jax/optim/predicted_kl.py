@@ -111,9 +111,10 @@ def kl_budget_schedule(kl_budget: float = 2e-4, kl_budget_final: float = 2e-5,
                        kl_budget_horizon: int = 300) -> Callable[[jax.Array], jax.Array]:
     """budget(k): cosine from ``kl_budget`` to ``kl_budget_final`` over ``kl_budget_horizon`` updates."""
     def schedule(k):
+        b0, b_final = jnp.asarray(kl_budget, jnp.float32), jnp.asarray(kl_budget_final, jnp.float32)
         span = jnp.maximum(jnp.asarray(kl_budget_horizon, jnp.float32) - 1.0, 1.0)
         frac = jnp.minimum(jnp.asarray(k, jnp.float32) / span, 1.0)
-        return kl_budget_final + 0.5 * (kl_budget - kl_budget_final) * (1.0 + jnp.cos(jnp.pi * frac))
+        return b_final + 0.5 * (b0 - b_final) * (1.0 + jnp.cos(jnp.pi * frac))
     return schedule
 
 
@@ -173,9 +174,10 @@ def scale_by_predicted_kl(kl_budget: float = 2e-4, kl_budget_final: float = 2e-5
             raise ValueError("scale_by_predicted_kl: pass predict_kl=... to update (see "
                              "make_predict_kl), or turn kl_control off")
         m = state.mismatch
+        weight = jnp.asarray(mismatch_weight, jnp.float32)
         if mismatch is not None:
             observed = jnp.maximum(jnp.asarray(mismatch, jnp.float32), 0.0)
-            m = (1.0 - mismatch_weight) * m + mismatch_weight * observed
+            m = (1.0 - weight) * m + weight * observed
         budget = budget_at(state.count)
         effective = jnp.maximum(budget - m, 0.5 * budget)
 
@@ -187,7 +189,8 @@ def scale_by_predicted_kl(kl_budget: float = 2e-4, kl_budget_final: float = 2e-5
             jax.debug.callback(_refuse, bad, pred)
         else:
             _refuse(np.asarray(bad), np.asarray(pred))
-        alpha = jnp.where(pred > 0, jnp.minimum(alpha_max, jnp.sqrt(effective / pred)), 1.0)
+        alpha = jnp.where(pred > 0, jnp.minimum(jnp.asarray(alpha_max, jnp.float32),
+                                                      jnp.sqrt(effective / pred)), 1.0)
         alpha = jnp.where(bad, 0.0, alpha)
         new_state = PredictedKLState(count=optax.safe_increment(state.count), mismatch=m,
                                      candidate_kl=pred, alpha=alpha, effective_budget=effective)

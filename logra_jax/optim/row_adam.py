@@ -61,6 +61,9 @@ def row_adam_direction(s: jax.Array, v: jax.Array, t: jax.Array, *, variant: str
     """(D, new v) for one target's sketch S (*stack, out, r) and row moments v (*stack, out)."""
     if variant == "sgd":
         return s, v
+    # Hyperparameters as fp32 arrays: the same arithmetic whether they are Python floats or
+    # arrays injected by optax.inject_hyperparams (1 − β₂ in float64 then rounded ≠ in fp32).
+    b2, eps = jnp.asarray(b2, jnp.float32), jnp.asarray(eps, jnp.float32)
     if variant == "kl":
         s = s / jnp.asarray(num_tokens, jnp.float32)
     v = b2 * v + (1.0 - b2) * jnp.mean(jnp.square(s), axis=-1)

@@ -30,6 +30,16 @@ from logra_jax.optim.targets import SketchSpec, leaves_with_paths, map_with_path
 _TINY = float(jnp.finfo(jnp.float32).tiny)
 
 
+def _f32(value) -> jax.Array:
+    """A hyperparameter (or a schedule's value) as an fp32 array, so the arithmetic is the same
+    for Python floats and for arrays injected by optax.inject_hyperparams."""
+    return jnp.asarray(value, jnp.float32)
+
+
+def _at(schedule, count) -> jax.Array:
+    return _f32(schedule(count) if callable(schedule) else schedule)
+
+
 def _sq_norm(x) -> jax.Array:
     return jnp.sum(jnp.square(jnp.asarray(x, jnp.float32)))
 
@@ -82,7 +92,7 @@ def clip_by_reconstructed_norm(spec: SketchSpec = SketchSpec(),
         if max_norm is None:
             scale = jnp.ones([], jnp.float32)
         else:
-            scale = jnp.minimum(1.0, max_norm / jnp.maximum(norm, _TINY))
+            scale = jnp.minimum(1.0, _f32(max_norm) / jnp.maximum(norm, _TINY))
 
         def out(path, g):
             g = sketches.get(path, g)
@@ -110,7 +120,7 @@ def scale_by_step_size(learning_rate: optax.ScalarOrSchedule) -> optax.GradientT
 
     def update_fn(updates, state, params=None, **extra_args):
         del params, extra_args
-        lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
+        lr = _at(learning_rate, state.count)
         updates = jax.tree.map(lambda u: (-lr * u).astype(u.dtype), updates)
         return updates, StepSizeState(count=optax.safe_increment(state.count))
 
@@ -152,7 +162,7 @@ def scale_by_update_ratio(spec: SketchSpec = SketchSpec(),
                                                            spec.distribution, info.stack_shape)
         delta_norm = jnp.sqrt(delta_sq)
         c = jnp.where(delta_norm > 0,
-                      update_ratio * jnp.sqrt(weight_sq) / jnp.maximum(delta_norm, _TINY), 0.0)
+                      _f32(update_ratio) * jnp.sqrt(weight_sq) / jnp.maximum(delta_norm, _TINY), 0.0)
         updates = map_with_paths(
             lambda path, u: (-c * u).astype(u.dtype) if path in targets else u, updates)
         return updates, UpdateRatioState(update_index=spec.next_index(k))
@@ -188,8 +198,7 @@ def to_low_rank_updates(spec: SketchSpec = SketchSpec(), *,
         if learning_rate is None:
             weight_scale = jnp.ones([], jnp.float32)
         else:
-            lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
-            weight_scale = jnp.asarray(1.0 - lr * weight_decay, jnp.float32)
+            weight_scale = 1.0 - _at(learning_rate, state.count) * _f32(weight_decay)
 
         def wrap(path, u):
             if path not in targets:

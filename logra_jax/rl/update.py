@@ -100,14 +100,21 @@ class PolicyUpdate:
                              f"{self.micro_batch_size}")
         if batch.size < self.probe_size:
             raise ValueError(f"probe_size={self.probe_size} exceeds the batch of {batch.size} rows")
+        return self.jitted(params, opt_state)(params, opt_state, batch)
+
+    def jitted(self, params, opt_state):
+        """The jitted step for params/state laid out like these (arrays or ShapeDtypeStructs).
+
+        Params and optimizer state are donated (the merge then updates weights in place) and come
+        back with the shardings they came in with, so the next call — and the sampler, which reads
+        the same params — reuse their compiled programs. ``jitted(...).lower(...)`` on abstract
+        inputs gives the ahead-of-time memory analysis of one update.
+        """
         if self._step is None:
-            # Params and optimizer state are donated (the merge then updates weights in place) and
-            # come back with the shardings they came in with, so the next call (and the sampler,
-            # which reads the same params) reuse their compiled programs.
             keep = jax.tree.map(lambda x: x.sharding, (params, opt_state))
             self._step = jax.jit(self._step_impl, donate_argnums=(0, 1),
                                  out_shardings=(keep[0], keep[1], None))
-        return self._step(params, opt_state, batch)
+        return self._step
 
     # -- the objective on one micro-batch -------------------------------------------------------
     def _objective(self, params, probes, mb: TrainBatch):
