@@ -135,7 +135,8 @@ def param_shardings(model_or_state, mesh: Mesh, rules: Rules | None = None, *,
     default) or an ``nnx.State`` (all its Variables). The result has the state's structure with each
     Variable replaced by its NamedSharding, so it is a valid sharding prefix for ``jax.device_put``
     and for ``jax.jit``'s ``in_shardings``/``out_shardings`` of that state. A Variable without
-    logical axes is replicated; one whose axes do not match its rank is an error naming its path.
+    logical axes is replicated. A Param whose axes do not match its rank is an error naming its
+    path; any other Variable (optimizer state shaped unlike its parameter) is then replicated.
     """
     state = nnx.state(model_or_state, filter) if isinstance(model_or_state, nnx.Module) else model_or_state
 
@@ -147,6 +148,10 @@ def param_shardings(model_or_state, mesh: Mesh, rules: Rules | None = None, *,
             return NamedSharding(mesh, PartitionSpec())
         shape = variable[...].shape
         if len(axes) != len(shape):
+            if not isinstance(variable, nnx.Param):
+                # Optimizer state inherits its parameter's metadata but may drop dims (e.g. a per-row
+                # second moment of a matrix): such a derived, smaller array is replicated.
+                return NamedSharding(mesh, PartitionSpec())
             raise ValueError(f"parameter {jax.tree_util.keystr(path, simple=True, separator='/')}: "
                              f"logical axes {axes} do not match its shape {shape}")
         return logical_sharding(axes, mesh, rules, shape)

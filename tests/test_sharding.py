@@ -106,3 +106,20 @@ def test_param_shardings_on_a_state_with_untagged_and_mismatched_variables():
     module.free.set_metadata(logical_axes=("embed", "mlp"))  # bypassing the check ...
     with pytest.raises(ValueError, match="parameter free: logical axes"):  # ... is caught, by path
         param_shardings(module, mesh)
+
+
+def test_optimizer_state_inherits_parameter_shardings(model):
+    optax = pytest.importorskip("optax")
+    mesh = make_mesh({"fsdp": 4, "tensor": 2})
+    optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+    shardings = param_shardings(nnx.state(optimizer), mesh)
+    mu = shardings["opt_state"][0]["mu"]
+    assert mu["layers"]["self_attn"]["q_proj"]["kernel"].spec == P(None, "fsdp", "tensor")
+    assert shardings["opt_state"][0]["count"].spec == P()
+
+    class RowStat(nnx.Variable):
+        pass
+
+    # a derived variable that kept its parameter's axes but lost a dimension is replicated, not an error
+    row = RowStat(jnp.zeros((2, 64)), logical_axes=("layers", "embed", "mlp"))
+    assert param_shardings(nnx.State({"v": row}), mesh)["v"].spec == P()
