@@ -19,6 +19,8 @@ class KVCache:
 
     A call with ``t`` new tokens writes slots [index, index + t) and returns a cache with
     ``index + t``; query i (slot index + i) attends to slots j ≤ index + i with mask[j].
+    The decoder rejects an overflow (index + t > S) when index is concrete; under jit, with index
+    traced, the caller must guarantee it (dynamic_update_slice would clamp the write position).
     """
 
     k: jax.Array
