@@ -36,6 +36,7 @@ def get_config() -> ml_collections.ConfigDict:
         task_seed=0,
         size=10_000,
         gsm8k_dir="",                     # folder with train.jsonl / test.jsonl
+        gsm8k_cache_dir="",               # where tfds keeps the prepared copy ("" = tfds default)
         split="train",
         system_prompt="",
         instruction="",                   # appended to the question; "" = the question alone

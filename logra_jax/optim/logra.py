@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import NamedSharding, PartitionSpec
 
 from logra_jax.optim.predicted_kl import PredictedKLState, scale_by_predicted_kl
 from logra_jax.optim.row_adam import RowAdamState, scale_by_row_adam
@@ -147,7 +148,26 @@ def logra(*, variant: str = "grpo",
         parts.append(scale_by_predicted_kl(kl_budget, kl_budget_final, kl_budget_horizon,
                                            alpha_max, mismatch_weight))
     parts.append(wrap)
-    return skip_nonfinite(optax.chain(*parts))
+    return _scalars_on_params_mesh(skip_nonfinite(optax.chain(*parts)))
+
+
+def _scalars_on_params_mesh(tx: optax.GradientTransformationExtraArgs):
+    """Puts the state's scalars (counters, metrics) replicated on the params' mesh at init.
+
+    Otherwise they start on one device and come back from the first jitted update replicated on
+    the mesh: a sharding change, and a second compilation on the second call.
+    """
+    def init_fn(params):
+        state = tx.init(params)
+        shardings = [x.sharding for x in jax.tree.leaves(params)
+                     if isinstance(getattr(x, "sharding", None), NamedSharding)
+                     and not isinstance(x, jax.core.Tracer)]
+        if not shardings:
+            return state
+        replicated = NamedSharding(shardings[0].mesh, PartitionSpec())
+        return jax.tree.map(lambda x: jax.device_put(x, replicated)
+                            if x.ndim == 0 and not isinstance(x, jax.core.Tracer) else x, state)
+    return optax.GradientTransformationExtraArgs(init_fn, tx.update)
 
 
 _INDEXED_STATES = (ReconstructedNormState, RowAdamState, UpdateRatioState, LowRankState)

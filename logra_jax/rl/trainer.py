@@ -79,7 +79,7 @@ def build_data(cfg: ml_collections.ConfigDict, seed: int):
         if not cfg.gsm8k_dir:
             raise ValueError("data.source='gsm8k' needs data.gsm8k_dir: a folder with train.jsonl and "
                              "test.jsonl (nothing is downloaded)")
-        source = load_gsm8k(cfg.gsm8k_dir, cfg.split)
+        source = load_gsm8k(cfg.gsm8k_dir, cfg.split, cache_dir=cfg.gsm8k_cache_dir or None)
     else:
         raise ValueError(f"data.source must be 'task' or 'gsm8k', got {cfg.source!r}")
     return PromptIterator(source, batch_size=cfg.prompts_per_step, seed=seed, shuffle=cfg.shuffle)

@@ -17,8 +17,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from logra_jax.optim import (SketchSpec, apply_updates, exact_kl, make_predict_kl, make_probes,
-                             merge_targets, probe_factors, split_targets, update_index, with_factors)
+from logra_jax.optim import (LowRankUpdate, SketchSpec, apply_updates, exact_kl, make_predict_kl,
+                             make_probes, merge_targets, probe_factors, split_targets, update_index,
+                             with_factors)
+from logra_jax.optim.targets import leaves_with_paths
 from logra_jax.rl import losses
 from logra_jax.rl.policy import Policy, Sequences
 
@@ -74,11 +76,13 @@ class PolicyUpdate:
       train_others: whether non-target params get gradients (False: frozen, as in the KL variant;
         their dense gradient is then never computed).
       kl_control: pass ``predict_kl`` and ``mismatch`` to ``tx.update``.
+      return_updates: the step also returns the targets' compact updates {path: LowRankUpdate}
+        (factor U, keys of A, weight_scale), for a rollout engine that syncs by factors (§8).
     """
 
     def __init__(self, policy: Policy, tx: optax.GradientTransformation, loss: LossConfig, *,
                  micro_batch_size: int, probe_size: int, sketch: SketchSpec | None,
-                 train_others: bool = True, kl_control: bool = False):
+                 train_others: bool = True, kl_control: bool = False, return_updates: bool = False):
         if micro_batch_size <= 0 or probe_size <= 0:
             raise ValueError(f"micro_batch_size and probe_size must be positive, got "
                              f"{micro_batch_size} and {probe_size}")
@@ -92,6 +96,7 @@ class PolicyUpdate:
         self.sketch = sketch
         self.train_others = train_others
         self.kl_control = kl_control
+        self.return_updates = return_updates
         self._step = None
 
     def __call__(self, params, opt_state, batch: TrainBatch):
@@ -112,8 +117,9 @@ class PolicyUpdate:
         """
         if self._step is None:
             keep = jax.tree.map(lambda x: x.sharding, (params, opt_state))
+            extra = (None,) if self.return_updates else ()
             self._step = jax.jit(self._step_impl, donate_argnums=(0, 1),
-                                 out_shardings=(keep[0], keep[1], None))
+                                 out_shardings=(keep[0], keep[1], None) + extra)
         return self._step
 
     # -- the objective on one micro-batch -------------------------------------------------------
@@ -202,4 +208,7 @@ class PolicyUpdate:
         metrics["logra/realized_kl"] = exact_kl(logits_old, logits_new, probe.seqs.completion_mask,
                                                 self.loss.temperature)
         metrics["grad_norm"] = optax.tree.norm(grads)
+        if self.return_updates:
+            low_rank = {path: u for path, u in leaves_with_paths(updates) if isinstance(u, LowRankUpdate)}
+            return params, opt_state, metrics, low_rank
         return params, opt_state, metrics
