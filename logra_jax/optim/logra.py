@@ -91,7 +91,8 @@ def logra(*, variant: str = "grpo",
       others: "adamw" (default for grpo) or "frozen" (default for kl) for non-target params;
         others_learning_rate / others_weight_decay / others_warmup_steps configure that AdamW.
       kl_control: scale every update by the predicted-KL α (default: on for "kl", off for "grpo");
-        then ``update`` needs ``predict_kl=`` (and optionally ``mismatch=``).
+        then ``update`` needs ``predict_kl=`` (and optionally ``mismatch=``). α scales the gradient
+        step of every parameter; a GRPO run's decoupled weight decay is neither predicted nor scaled.
       kl_budget, kl_budget_final, kl_budget_horizon, alpha_max, mismatch_weight: the controller.
       update_ratio: relative size of the KL variant's proposed step.
 

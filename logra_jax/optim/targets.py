@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from logra_jax.optim.low_rank import LowRankUpdate
 from logra_jax.optim.projections import DISTRIBUTIONS, SketchProbe, projection_keys
 
 # The attention and MLP projections of Llama-family models, by the end of their kernel path.
@@ -56,8 +57,6 @@ def path_str(keypath: tuple) -> str:
 
 
 def _is_update_leaf(x) -> bool:
-    # Imported lazily: low_rank imports this module.
-    from logra_jax.optim.low_rank import LowRankUpdate
     return x is None or isinstance(x, (LowRankUpdate, SketchProbe))
 
 
@@ -203,17 +202,13 @@ def make_probes(params, update_index: jax.Array | int, spec: SketchSpec,
     gradient. The factor is sharded like the kernel's out (and stack) dims when params are sharded.
     """
     k = spec.projection_index(update_index)
+    kernels = dict(leaves_with_paths(params))
     probes = {}
-    for path, leaf in leaves_with_paths(params):
-        if not spec.is_target(path):
-            continue
-        info = spec.info(path, tuple(leaf.shape))
+    for path, info in spec.find_targets(params).items():
         factor = jnp.zeros(info.sketch_shape, dtype,
-                           device=sharding_without_in_dim(leaf, keep_last=True))
+                           device=sharding_without_in_dim(kernels[path], keep_last=True))
         probes[path] = SketchProbe(key=spec.keys(info, k), factor=factor,
                                    distribution=spec.distribution)
-    if not probes:
-        spec.find_targets(params)  # raises the explanatory error
     return probes
 
 
