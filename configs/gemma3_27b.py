@@ -1,0 +1,40 @@
+"""Gemma-3-27B shapes on one 8-device node (memory planning: does the RL loop fit in 80 GiB?).
+
+The paper's claim: a 27B model trained with LoGRA on one 8-GPU node where dense Adam runs out of
+memory. Layout: all 8 devices train (FSDP) and the rollout engine shares them (colocated, bf16
+weights); GRPO variant with a reference KL (β = 0.01), so a bf16 reference copy is resident too;
+fp32 master weights, bf16 compute, per-layer remat, 1 sequence of 512 + 1536 tokens per device
+per micro-step. See logra_jax/model_shapes.py for what the shape approximates.
+"""
+
+import ml_collections
+
+from configs import base
+
+
+def get_config():
+    c = base.get_config()
+    c.model.source = "shape:gemma3_27b"
+    c.model.dtype = "bfloat16"
+    c.model.param_dtype = "float32"
+    c.model.remat = True
+    c.mesh.fsdp = 8
+    c.mesh.tensor = 1
+    if "sync" not in c:
+        c.sync = ml_collections.ConfigDict()
+    c.sync.rollout_devices = 0         # colocated: sampler and KV cache live on the training devices
+
+    c.data.source = "gsm8k"
+    c.data.prompts_per_step = 16
+    c.rl.num_generations = 8
+    c.rl.max_prompt_length = 512
+    c.rl.max_completion_length = 1536
+    c.rl.micro_batch_size = 8          # 1 sequence per device per micro-step
+    c.rl.beta = 0.01
+
+    c.optimizer.name = "logra"
+    c.optimizer.variant = "grpo"
+    c.optimizer.rank = 256
+    c.optimizer.others = "adamw"
+    c.log.progress = False
+    return c

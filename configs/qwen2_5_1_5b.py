@@ -1,0 +1,36 @@
+"""Qwen2.5-1.5B shapes: the smallest ≥ 1B model of the memory tables, and the GPU check's model.
+
+All devices train (FSDP) and the sampler is colocated. 1 sequence of 256 + 768 tokens per device
+per micro-step, bf16 compute over fp32 master weights, per-layer remat. ``shape:`` means no
+weights: launch.memory plans with it and launch.step_time runs it with random weights.
+"""
+
+import ml_collections
+
+from configs import base
+
+
+def get_config():
+    c = base.get_config()
+    c.model.source = "shape:qwen2_5_1_5b"
+    c.model.dtype = "bfloat16"
+    c.model.param_dtype = "float32"
+    c.model.remat = True
+    c.mesh.fsdp = -1
+    c.mesh.tensor = 1
+    if "sync" not in c:
+        c.sync = ml_collections.ConfigDict()
+    c.sync.rollout_devices = 0
+
+    c.data.prompts_per_step = 4
+    c.rl.num_generations = 2
+    c.rl.max_prompt_length = 256
+    c.rl.max_completion_length = 768
+    c.rl.micro_batch_size = 8
+    c.rl.beta = 0.0
+
+    c.optimizer.name = "logra"
+    c.optimizer.variant = "grpo"
+    c.optimizer.rank = 256
+    c.log.progress = False
+    return c

@@ -1,0 +1,51 @@
+"""Qwen2.5-7B shapes on GSM8K, laid out like the reference's measured run (memory planning).
+
+The reference (ALGORITHM.md, "public measured numbers"): Qwen2.5-Math-7B, GSM8K, GRPO variant,
+16 prompts × 8 responses per step, 2048 tokens, reference KL β = 0.01 (k3), 8 GPUs of which 4 train
+(FSDP) and 4 generate; peak per training GPU 36.13 GiB (dense AdamW) vs 19.36 GiB (LoGRA).
+Here: fp32 master weights, bf16 compute, per-layer remat, 512 prompt + 1536 completion tokens,
+micro-batches of 1 sequence per training device.
+
+``model.source = "shape:qwen2_5_7b"`` carries the shape only (no weights ship with this project):
+``python -m launch.memory`` plans with it; to train, point model.source at a local Hugging Face
+folder of Qwen2.5-(Math-)7B(-Instruct).
+"""
+
+import ml_collections
+
+from configs import base
+
+
+def get_config():
+    c = base.get_config()
+    c.max_steps = 100
+    c.model.source = "shape:qwen2_5_7b"
+    c.model.dtype = "bfloat16"
+    c.model.param_dtype = "float32"
+    c.model.remat = True
+    c.mesh.fsdp = 4                    # the 4 training devices
+    c.mesh.tensor = 1
+    if "sync" not in c:                # the rollout engine's 4 devices (see logra_jax/rl/sync.py)
+        c.sync = ml_collections.ConfigDict()
+    c.sync.rollout_devices = 4
+
+    c.data.source = "gsm8k"
+    c.data.prompts_per_step = 16
+    c.data.instruction = "Let's think step by step and output the final answer within \\boxed{}."
+    c.rl.num_generations = 8
+    c.rl.max_prompt_length = 512
+    c.rl.max_completion_length = 1536
+    c.rl.micro_batch_size = 4          # 1 sequence per training device per micro-step
+    c.rl.beta = 0.01
+    c.rl.kl_estimator = "k3"
+
+    c.optimizer.name = "logra"
+    c.optimizer.variant = "grpo"
+    c.optimizer.rank = 256
+    c.optimizer.others = "adamw"
+    c.optimizer.others_learning_rate = 5e-6
+    c.optimizer.weight_decay = 0.01
+    c.optimizer.warmup_steps = 50
+    c.optimizer.learning_rate = 5e-6   # AdamW baseline's rate; LoGRA's is not public
+    c.log.progress = False
+    return c

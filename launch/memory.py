@@ -1,0 +1,172 @@
+"""Per-device memory of one policy update and of the whole RL loop, ahead of time, on CPU.
+
+    python -m launch.memory --config configs/qwen2_5_7b_gsm8k.py [--mesh fsdp=4,tensor=1] \
+        [--optimizer logra|adamw] [--compare adamw] [--micro_steps N] [--rollout_devices N] \
+        [--explain 15] [--json out.json] [--config.key=value ...]
+
+The trainer's jitted update is compiled for the config's model shape on simulated CPU devices
+(abstract inputs: nothing is allocated, 7B and 27B shapes compile in about a minute) and XLA's
+memory analysis is printed per training device: params, optimizer state, gradients or sketches,
+temporaries and the peak, plus the reference and sampler weights and the KV cache the RL loop
+keeps. With ``--compare adamw`` the last line is
+
+    peak per device: logra X GiB, adamw Y GiB, ratio Z        (Z = X / Y, update peaks)
+
+``--explain N`` also lists the N largest buffers live at each peak, as XLA names them.
+"""
+
+import math
+import os
+import sys
+
+# Simulated devices must be configured before jax starts its CPU backend: enough for the mesh and
+# rollout devices named on the command line, at least 8; LOGRA_HOST_DEVICES or an XLA_FLAGS count wins.
+def _host_devices(argv) -> int:
+    mesh, rollout = 8, 0
+    for i, arg in enumerate(argv):
+        value = arg.split("=", 1)[1] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
+        try:
+            if arg.startswith("--mesh"):
+                mesh = math.prod(abs(int(part.split("=")[1])) for part in value.split(","))
+            elif arg.startswith("--rollout_devices"):
+                rollout = int(value)
+        except (IndexError, ValueError):
+            pass  # a malformed flag is reported once the flags are parsed
+    return int(os.environ.get("LOGRA_HOST_DEVICES", max(8, mesh + rollout)))
+
+
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count="
+                               f"{_host_devices(sys.argv[1:])}").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import json  # noqa: E402
+import tempfile  # noqa: E402
+
+from absl import app, flags  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+from logra_jax import config as config_lib  # noqa: E402
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file.",
+                                          lock_config=False)
+_MESH = flags.DEFINE_string("mesh", None, "Training mesh, e.g. fsdp=4,tensor=1 (default: config.mesh).")
+_OPTIMIZER = flags.DEFINE_enum("optimizer", None, ["logra", "adamw"],
+                               "Optimizer to measure (default: config.optimizer.name).")
+_COMPARE = flags.DEFINE_enum("compare", None, ["logra", "adamw"],
+                             "Also measure this optimizer and print the ratio of the peaks.")
+_MICRO_STEPS = flags.DEFINE_integer("micro_steps", None,
+                                    "Micro-batches per update (default: the config's batch).")
+_ROLLOUT = flags.DEFINE_integer("rollout_devices", None,
+                                "Devices of the rollout engine; 0 = colocated with training "
+                                "(default: config.sync.rollout_devices, else 0).")
+_EXPLAIN = flags.DEFINE_integer("explain", 0, "List the N largest buffers live at each peak.")
+_JSON = flags.DEFINE_string("json", None, "Also write the numbers (bytes) to this JSON file.")
+flags.mark_flags_as_required(["config"])
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """"fsdp=4,tensor=1" → {"fsdp": 4, "tensor": 1}."""
+    sizes = {}
+    for part in text.split(","):
+        name, _, size = part.partition("=")
+        try:
+            sizes[name.strip()] = int(size)
+        except ValueError:
+            raise ValueError(f"--mesh {text!r}: expected name=size pairs such as fsdp=4,tensor=1") from None
+    return sizes
+
+
+def rollout_devices_of(config, flag_value) -> int:
+    if flag_value is not None:
+        value = flag_value
+    else:
+        value = config.get("sync", {}).get("rollout_devices", 0)
+    if value < 0:
+        raise ValueError(f"rollout_devices must be ≥ 0, got {value}")
+    return int(value)
+
+
+def measure(config, optimizers, mesh_sizes, rollout_devices, micro_steps, explain):
+    import jax
+    from logra_jax import memory
+    from logra_jax import sharding as sharding_lib
+
+    devices = jax.devices()
+    if rollout_devices >= len(devices):
+        raise ValueError(f"rollout_devices={rollout_devices} leaves no training device of {len(devices)}")
+    training_devices = devices[:len(devices) - rollout_devices] if rollout_devices else devices
+    mesh = memory.training_mesh(mesh_sizes, training_devices)
+    rollout = (sharding_lib.make_mesh({"fsdp": rollout_devices, "tensor": 1},
+                                      devices=devices[len(devices) - rollout_devices:])
+               if rollout_devices else mesh)
+    steps, breakdowns = [], {}
+    for name in optimizers:
+        run = config.copy_and_resolve_references()
+        run.optimizer.name = name
+        if explain:
+            with tempfile.TemporaryDirectory() as dump:
+                steps.append(memory.update_step_memory(run, mesh, micro_steps=micro_steps, dump_dir=dump))
+                breakdowns[name] = memory.peak_breakdown(dump)
+        else:
+            steps.append(memory.update_step_memory(run, mesh, micro_steps=micro_steps))
+    loop = memory.rl_resident_bytes(config, mesh, rollout)
+    return mesh, steps, loop, breakdowns
+
+
+def main(argv):
+    del argv
+    from logra_jax import memory
+
+    config = _CONFIG.value
+    try:
+        if _OPTIMIZER.value:
+            config.optimizer.name = _OPTIMIZER.value
+        optimizers = [config.optimizer.name]
+        if _COMPARE.value and _COMPARE.value != config.optimizer.name:
+            optimizers.append(_COMPARE.value)
+        mesh_sizes = parse_mesh(_MESH.value) if _MESH.value else dict(config.mesh)
+        rollout_devices = rollout_devices_of(config, _ROLLOUT.value)
+        mesh, steps, loop, breakdowns = measure(config, optimizers, mesh_sizes, rollout_devices,
+                                                _MICRO_STEPS.value, _EXPLAIN.value)
+    except (ValueError, FileNotFoundError) as e:
+        sys.exit(f"error: {e}")
+
+    rl = config.rl
+    print(f"model {config.model.source} ({config.model.param_dtype} master, {config.model.dtype} compute, "
+          f"remat={config.model.remat}); training mesh {dict(mesh.shape)}; "
+          f"{steps[0].micro_steps} micro-step(s) of {rl.micro_batch_size} rows × "
+          f"{rl.max_prompt_length + rl.max_completion_length} tokens; rollout: "
+          f"{'colocated' if loop.colocated else f'{loop.rollout_devices} own devices'}")
+    print(memory.format_table(steps, loop))
+    for name, (peak, entries) in breakdowns.items():
+        print(f"\nlargest buffers live at the {name} peak ({memory.gib(peak)} GiB):")
+        for label, size in entries[:_EXPLAIN.value]:
+            print(f"  {memory.gib(size):>7}  {label}")
+    if _JSON.value:
+        payload = {"mesh": dict(mesh.shape), "loop": loop.__dict__,
+                   "steps": [dict(s.__dict__, peak=s.peak) for s in steps],
+                   "footprint": {s.optimizer: memory.rl_footprint(s, loop) for s in steps}}
+        with open(_JSON.value, "w") as f:
+            json.dump(payload, f, indent=1)
+    if len(steps) == 2:
+        a, b = steps
+        print(f"peak per device: {a.optimizer} {memory.gib(a.peak)} GiB, {b.optimizer} "
+              f"{memory.gib(b.peak)} GiB, ratio {a.peak / b.peak:.3f}")
+
+
+def check_argv(argv) -> None:
+    """Fail fast, in one line, on a missing config file or an unknown --config.* key."""
+    path = config_lib.config_path_from_argv(argv)
+    if path is None:
+        return
+    try:
+        config = config_lib.load_config_file(path)
+        config_lib.check_overrides(config, config_lib.override_keys(argv))
+    except (FileNotFoundError, ValueError) as e:
+        sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+    check_argv(sys.argv[1:])
+    app.run(main)

@@ -1,0 +1,203 @@
+"""Real policy updates, LoGRA vs dense AdamW: wall time per update, and peak device memory.
+
+Step time (CPU by default, any backend):
+
+    python -m launch.step_time [--widths 512,1024,2048] [--layers 2] [--rows 4] \
+        [--prompt_length 64] [--completion_length 192] [--repeats 5] [--rank 256]
+
+builds, per width d, a decoder with d-wide layers (head_dim 64, GQA 2:1, MLP 3d, vocabulary 8192,
+fp32, per-layer remat), runs the trainer's jitted update (`PolicyUpdate`, as configs/base.py sets
+it up, GRPO loss, same batch and sequence for both optimizers) on a random batch, and times it:
+one warm-up (compile) call each, then ``repeats`` rounds in which the two optimizers alternate
+(their order flips every round, so background load hits both alike). It prints the median
+milliseconds of each and the ratio LoGRA / AdamW.
+
+Peak memory (for an accelerator; one optimizer per process, because the high-water mark of a
+device cannot be reset):
+
+    python -m launch.step_time --config configs/qwen2_5_1_5b.py --peak_memory --optimizer logra
+
+runs one update of the config's model shape with random weights and prints one JSON line with the
+device's ``peak_bytes_in_use`` next to XLA's ahead-of-time prediction for the same program.
+"""
+
+import os
+import sys
+
+# The timing compares the two optimizers on one device (the simulated 8-device CPU of the tests
+# would only split the same cores 8 ways). LOGRA_HOST_DEVICES or an XLA_FLAGS count wins.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count="
+                               + os.environ.get("LOGRA_HOST_DEVICES", "1")).strip()
+
+import json  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+
+from absl import app, flags  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "configs/*.py for --peak_memory.",
+                                          lock_config=False)
+_PEAK = flags.DEFINE_bool("peak_memory", False, "Measure one update's peak device memory.")
+_OPTIMIZER = flags.DEFINE_enum("optimizer", "logra", ["logra", "adamw"], "For --peak_memory.")
+_WIDTHS = flags.DEFINE_list("widths", ["512", "1024", "2048"], "Model widths d to time.")
+_LAYERS = flags.DEFINE_integer("layers", 2, "Decoder layers.")
+_ROWS = flags.DEFINE_integer("rows", 4, "Sequences per update (one micro-batch).")
+_PROMPT = flags.DEFINE_integer("prompt_length", 64, "Prompt tokens per sequence.")
+_COMPLETION = flags.DEFINE_integer("completion_length", 192, "Completion tokens per sequence.")
+_REPEATS = flags.DEFINE_integer("repeats", 5, "Timed updates per optimizer (after one warm-up).")
+_RANK = flags.DEFINE_integer("rank", 256, "LoGRA rank r.")
+_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype.")
+
+
+def bench_config(width: int, layers: int, rows: int, prompt_length: int, completion_length: int,
+                 rank: int, dtype: str):
+    """configs/base.py with a ``width``-wide random decoder and one micro-batch of ``rows``."""
+    from configs import base
+    c = base.get_config()
+    c.model.source = "tiny"
+    c.model.dtype = dtype
+    c.model.remat = True
+    c.model.tiny.update(hidden_size=width, num_layers=layers, num_heads=width // 64,
+                        num_kv_heads=max(1, width // 128), head_dim=64, intermediate_size=3 * width,
+                        max_position_embeddings=prompt_length + completion_length)
+    c.data.prompts_per_step = rows // 2
+    c.rl.num_generations = 2
+    c.rl.micro_batch_size = rows
+    c.rl.max_prompt_length = prompt_length
+    c.rl.max_completion_length = completion_length
+    c.optimizer.rank = rank
+    c.optimizer.learning_rate = 1e-6
+    return c
+
+
+def build(config, model_config, mesh, seed: int = 0):
+    """(PolicyUpdate, params, opt_state, batch) with random weights and a random batch, on ``mesh``."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from logra_jax import memory
+    from logra_jax.models import Decoder
+    from logra_jax.rl.policy import Policy, Sequences
+    from logra_jax.rl.update import TrainBatch
+
+    model = memory.abstract_model(model_config)
+    policy = Policy(model)
+    abstract = memory.abstract_params(model, mesh)
+    shardings = jax.tree.map(lambda x: x.sharding, abstract)
+
+    # Initialised directly into its shards: a large model never sits whole on one device.
+    def init():
+        return Policy.params_of(Decoder(model_config, rngs=nnx.Rngs(seed)))
+    params = jax.jit(init, out_shardings=shardings)()
+    update, _, _ = memory.build_policy_update(config, policy)
+    opt_shardings = memory.opt_state_shardings(update.tx, abstract)
+    opt_state = jax.jit(update.tx.init, out_shardings=opt_shardings)(params)
+
+    rl = config.rl
+    rows = config.data.prompts_per_step * rl.num_generations
+    p, c = rl.max_prompt_length, rl.max_completion_length
+    keys = jax.random.split(jax.random.PRNGKey(seed + 1), 3)
+    tokens = jax.random.randint(keys[0], (rows, p + c), 0, model_config.vocab_size, jnp.int32)
+    seqs = Sequences(tokens=tokens, segment_mask=jnp.ones((rows, p + c), bool),
+                     positions=jnp.broadcast_to(jnp.arange(p + c, dtype=jnp.int32), (rows, p + c)),
+                     completion_mask=jnp.ones((rows, c), bool), prompt_length=p)
+    batch = TrainBatch(seqs=seqs, advantages=jax.random.normal(keys[1], (rows,)),
+                       rollout_logp=-jax.random.uniform(keys[2], (rows, c)),
+                       ref_logp=jnp.zeros((rows, c)), completed=jnp.ones((rows,), bool))
+    axis = "fsdp" if rows % mesh.shape["fsdp"] == 0 else None
+    batch = jax.device_put(batch, NamedSharding(mesh, P(axis)))
+    return update, params, opt_state, batch
+
+
+def time_widths(widths, layers, rows, prompt_length, completion_length, rank, dtype, repeats):
+    """[(width, params, median ms logra, median ms adamw)] — see the module docstring."""
+    import jax
+    from logra_jax import memory, model_shapes
+
+    mesh = memory.training_mesh({"fsdp": -1, "tensor": 1}, jax.devices())
+    results = []
+    for width in widths:
+        config = bench_config(width, layers, rows, prompt_length, completion_length, rank, dtype)
+        model_config = model_shapes.model_config_from(config.model).replace(vocab_size=8192)
+        runs, times = {}, {"logra": [], "adamw": []}
+        for name in times:
+            config.optimizer.name = name
+            update, params, opt_state, batch = build(config, model_config, mesh)
+            params, opt_state, metrics = update(params, opt_state, batch)   # compile + warm-up
+            jax.block_until_ready(metrics)
+            runs[name] = [update, params, opt_state, batch]
+        n_params = sum(x.size for x in jax.tree.leaves(runs["logra"][1]))
+        for i in range(repeats):
+            for name in (("logra", "adamw") if i % 2 == 0 else ("adamw", "logra")):
+                update, params, opt_state, batch = runs[name]
+                tic = time.perf_counter()
+                params, opt_state, metrics = update(params, opt_state, batch)
+                jax.block_until_ready((params, opt_state, metrics))
+                times[name].append(1e3 * (time.perf_counter() - tic))
+                runs[name][1:3] = params, opt_state
+        results.append((width, n_params, statistics.median(times["logra"]),
+                        statistics.median(times["adamw"])))
+        del runs
+    return results
+
+
+def peak_memory(config, optimizer: str) -> dict:
+    """One real update of ``config``'s model: device peak bytes vs XLA's prediction (per device)."""
+    import jax
+    from logra_jax import memory, model_shapes
+
+    config.optimizer.name = optimizer
+    mesh = memory.training_mesh(dict(config.mesh), jax.devices())
+    model_config = model_shapes.model_config_from(config.model)
+    update, params, opt_state, batch = build(config, model_config, mesh)
+    predicted = update.jitted(params, opt_state).lower(params, opt_state, batch).compile().memory_analysis()
+    tic = time.perf_counter()
+    params, opt_state, metrics = update(params, opt_state, batch)
+    jax.block_until_ready((params, opt_state, metrics))
+    seconds = time.perf_counter() - tic
+    stats = [d.memory_stats() or {} for d in mesh.devices.flat]
+    peak = max(s.get("peak_bytes_in_use", 0) for s in stats)
+    return {"optimizer": optimizer, "model": config.model.source, "devices": mesh.size,
+            "params": sum(x.size for x in jax.tree.leaves(params)),
+            "peak_bytes_in_use": peak,
+            "predicted_peak": (predicted.argument_size_in_bytes + predicted.output_size_in_bytes
+                               - predicted.alias_size_in_bytes + predicted.temp_size_in_bytes),
+            "first_update_seconds": seconds, "backend": jax.default_backend()}
+
+
+def main(argv):
+    del argv
+    if _PEAK.value:
+        if _CONFIG.value is None:
+            sys.exit("error: --peak_memory needs --config")
+        try:
+            print(json.dumps(peak_memory(_CONFIG.value, _OPTIMIZER.value)))
+        except (ValueError, FileNotFoundError) as e:
+            sys.exit(f"error: {e}")
+        return
+    try:
+        widths = [int(w) for w in _WIDTHS.value]
+    except ValueError:
+        sys.exit(f"error: --widths must be integers, got {_WIDTHS.value}")
+    bad = [w for w in widths if w <= 0 or w % 128]
+    if bad:
+        sys.exit(f"error: widths must be positive multiples of 128 (head_dim 64, GQA 2:1), got {bad}")
+    if _ROWS.value < 2 or _ROWS.value % 2:
+        sys.exit(f"error: --rows must be an even number ≥ 2 (GRPO groups of 2), got {_ROWS.value}")
+    results = time_widths(widths, _LAYERS.value, _ROWS.value, _PROMPT.value, _COMPLETION.value,
+                          _RANK.value, _DTYPE.value, _REPEATS.value)
+    import jax
+    print(f"one update, {_ROWS.value} × {_PROMPT.value + _COMPLETION.value} tokens, {_LAYERS.value} layers, "
+          f"rank {_RANK.value}, {_DTYPE.value}, remat, {jax.default_backend()} × {jax.device_count()}; "
+          f"median of {_REPEATS.value} interleaved runs")
+    print(f"{'width':>6} {'params':>8} {'logra ms':>9} {'adamw ms':>9} {'logra/adamw':>12}")
+    for width, n_params, logra_ms, adamw_ms in results:
+        print(f"{width:>6} {n_params / 1e6:>7.1f}M {logra_ms:>9.1f} {adamw_ms:>9.1f} "
+              f"{logra_ms / adamw_ms:>12.3f}")
+
+
+if __name__ == "__main__":
+    app.run(main)

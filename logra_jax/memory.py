@@ -1,0 +1,430 @@
+"""Per-device memory of one policy update, ahead of time, for any model shape (no hardware needed).
+
+The update measured is the trainer's own: `PolicyUpdate` (micro-batched gradients with remat →
+optimizer → in-place merge → realized KL on the probe) jitted with donated params and optimizer
+state, lowered on abstract inputs (``jax.ShapeDtypeStruct`` with shardings) and compiled by XLA for
+the simulated devices. ``compiled.memory_analysis()`` then gives, per device,
+
+    peak = arguments + outputs − aliased (donated) outputs + temporaries
+
+where arguments are the params, optimizer state and batch, and temporaries are every buffer XLA
+allocates inside the step (gradients or sketches, activations, gathered weights, logits). Params,
+optimizer state and gradient bytes are also computed from shapes and shardings, so the table can
+say what the temporaries hold. The RL loop keeps more than the update: a reference model (when
+beta > 0), the sampler's weights and, while sampling, its KV cache; `rl_resident_bytes` counts them.
+
+`peak_breakdown` reads XLA's own account of the buffers live at the peak (the ``live-range`` file
+of an HLO dump), which names the op that allocated each one: where the bytes go.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import pathlib
+import re
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from logra_jax import model_shapes
+from logra_jax import sharding as sharding_lib
+from logra_jax.models import Decoder, ModelConfig
+from logra_jax.optim.targets import leaves_with_paths, map_with_paths, sharding_without_in_dim
+from logra_jax.rl.policy import Policy, Sequences
+from logra_jax.rl.update import LossConfig, PolicyUpdate, TrainBatch, sketch_shardings
+
+GIB = 2 ** 30
+
+
+# ----------------------------------------------------------------------------------------------
+# Bytes of (abstract) arrays on one device
+# ----------------------------------------------------------------------------------------------
+def device_bytes(tree) -> int:
+    """Bytes one device holds of every array in ``tree`` (its shard; the whole array if unsharded).
+
+    Uneven shardings are counted by their largest shard, i.e. the device that holds the most.
+    """
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        shape = tuple(leaf.shape)
+        sharding = getattr(leaf, "sharding", None)
+        if sharding is not None:
+            shape = sharding.shard_shape(shape)
+        total += math.prod(shape) * np.dtype(leaf.dtype).itemsize
+    return total
+
+
+# ----------------------------------------------------------------------------------------------
+# Abstract training state with the trainer's shardings
+# ----------------------------------------------------------------------------------------------
+def training_mesh(mesh_sizes: dict[str, int], devices) -> Mesh:
+    """The mesh over the first devices; an axis of -1 takes what the others leave of ``devices``."""
+    sizes = dict(mesh_sizes)
+    free = [name for name, size in sizes.items() if size == -1]
+    if len(free) > 1:
+        raise ValueError(f"mesh: at most one axis may be -1, got {sizes}")
+    fixed = math.prod(size for size in sizes.values() if size != -1)
+    if free:
+        if len(devices) % fixed:
+            raise ValueError(f"mesh {sizes}: {len(devices)} training devices are not divisible by "
+                             f"{fixed}")
+        sizes[free[0]] = len(devices) // fixed
+    needed = math.prod(sizes.values())
+    if needed > len(devices):
+        raise ValueError(f"mesh {sizes} needs {needed} devices, only {len(devices)} are available "
+                         f"for training (raise LOGRA_HOST_DEVICES or lower rollout_devices)")
+    return sharding_lib.make_mesh(sizes, devices=list(devices)[:needed])
+
+
+def abstract_model(model_config: ModelConfig) -> nnx.Module:
+    """The Decoder with ShapeDtypeStructs instead of arrays: no memory, any size."""
+    return nnx.eval_shape(lambda: Decoder(model_config, rngs=nnx.Rngs(0)))
+
+
+def abstract_params(model: nnx.Module, mesh: Mesh, rules=None) -> dict:
+    """The params dict (Policy's view) as ShapeDtypeStructs sharded by their logical axes."""
+    state = nnx.state(model, nnx.Param)
+
+    def place(variable):
+        value = variable.get_value()
+        axes = sharding_lib.get_logical_axes(variable) or (None,) * len(value.shape)
+        sharding = sharding_lib.logical_sharding(axes, mesh, rules, value.shape)
+        return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding)
+
+    placed = jax.tree.map(place, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return nnx.to_pure_dict(placed)
+
+
+def _owning_param(path: str, params_by_path: dict[str, Any]) -> str | None:
+    """The longest param path that ``path`` ends with (optax nests param-shaped trees in state)."""
+    best = None
+    for candidate in params_by_path:
+        if path == candidate or path.endswith("/" + candidate):
+            if best is None or len(candidate) > len(best):
+                best = candidate
+    return best
+
+
+def opt_state_shardings(tx, params):
+    """Shardings for ``tx.init(params)``: each leaf like the parameter it belongs to.
+
+    A leaf shaped like its parameter (Adam's m and v) takes the parameter's sharding; one shaped
+    like the parameter without its ``in`` dimension (RowAdam's per-row v, shape (*stack, out))
+    takes that sharding with the ``in`` entry dropped; counters and other leaves are replicated.
+    ``jax.jit(tx.init)`` cannot be used for this: its outputs do not depend on the params' values,
+    so XLA places them all on one device.
+    """
+    params_by_path = dict(leaves_with_paths(params))
+    mesh = next(x.sharding.mesh for x in params_by_path.values()
+                if isinstance(x.sharding, NamedSharding))
+    replicated = NamedSharding(mesh, P())
+    shapes = jax.eval_shape(tx.init, params)
+
+    def one(path, leaf):
+        owner = _owning_param(path, params_by_path)
+        if owner is None or leaf.ndim == 0:
+            return replicated
+        param = params_by_path[owner]
+        if tuple(leaf.shape) == tuple(param.shape):
+            return param.sharding
+        if param.ndim >= 2 and tuple(leaf.shape) == tuple(param.shape[:-2]) + (param.shape[-1],):
+            return sharding_without_in_dim(param, keep_last=False)
+        return replicated
+
+    return map_with_paths(one, shapes)
+
+
+def abstract_opt_state(tx, params):
+    shardings = opt_state_shardings(tx, params)
+    shapes = jax.eval_shape(tx.init, params)
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        shapes, shardings)
+
+
+def abstract_batch(mesh: Mesh, rows: int, prompt_length: int, completion_length: int) -> TrainBatch:
+    """A TrainBatch of ShapeDtypeStructs, rows sharded over ``fsdp`` as the trainer shards them."""
+    axis = "fsdp" if "fsdp" in mesh.shape and rows % mesh.shape["fsdp"] == 0 else None
+    sharding = NamedSharding(mesh, P(axis))
+    total = prompt_length + completion_length
+
+    def spec(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+    seqs = Sequences(tokens=spec((rows, total), jnp.int32), segment_mask=spec((rows, total), jnp.bool_),
+                     positions=spec((rows, total), jnp.int32),
+                     completion_mask=spec((rows, completion_length), jnp.bool_),
+                     prompt_length=prompt_length)
+    return TrainBatch(seqs=seqs, advantages=spec((rows,), jnp.float32),
+                      rollout_logp=spec((rows, completion_length), jnp.float32),
+                      ref_logp=spec((rows, completion_length), jnp.float32),
+                      completed=spec((rows,), jnp.bool_))
+
+
+def gradient_bytes(params, sketch, train_others: bool) -> int:
+    """Per-device bytes of one gradient tree of the step, from shapes.
+
+    Dense optimizer: a params-shaped tree. LoGRA: one fp32 sketch (*stack, out, r) per target,
+    sharded as PolicyUpdate constrains it (`sketch_shardings`), plus dense gradients of the
+    non-targets when they are trained.
+    """
+    if sketch is None:
+        return device_bytes(params)
+    layouts = sketch_shardings(params, sketch)
+    total = 0
+    for path, leaf in leaves_with_paths(params):
+        if sketch.is_target(path):
+            info = sketch.info(path, tuple(leaf.shape))
+            total += device_bytes(jax.ShapeDtypeStruct(info.sketch_shape, jnp.float32,
+                                                       sharding=layouts.get(path)))
+        elif train_others:
+            total += device_bytes(leaf)
+    return total
+
+
+# ----------------------------------------------------------------------------------------------
+# One update step, compiled ahead of time
+# ----------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class StepMemory:
+    """Per-device bytes of one compiled policy update (see the module docstring)."""
+
+    optimizer: str
+    devices: int
+    micro_steps: int
+    params: int          # from shapes and shardings
+    opt_state: int       # from shapes and shardings
+    batch: int           # from shapes and shardings
+    gradients: int       # one gradient tree (sketches + dense non-target grads, or dense grads)
+    arguments: int       # XLA: params + opt_state + batch as the executable sees them
+    outputs: int         # XLA
+    aliased: int         # XLA: outputs written into donated arguments
+    temporaries: int     # XLA
+    code: int            # XLA: generated code
+
+    @property
+    def peak(self) -> int:
+        return self.arguments + self.outputs - self.aliased + self.temporaries
+
+    @property
+    def other_temporaries(self) -> int:
+        """Temporaries that are not the gradient tree: activations, gathered weights, logits, ..."""
+        return self.temporaries - self.gradients
+
+
+def build_policy_update(config: ml_collections.ConfigDict, policy: Policy):
+    """(PolicyUpdate, SketchSpec or None, train_others) exactly as the Trainer builds them."""
+    from logra_jax.rl.trainer import build_optimizer  # the trainer's own optimizer factory
+    tx, sketch, train_others, kl_control = build_optimizer(config.optimizer)
+    rl = config.rl
+    loss = LossConfig(algorithm=rl.algorithm, epsilon=rl.epsilon, epsilon_high=rl.epsilon_high or None,
+                      beta=rl.beta, kl_estimator=rl.kl_estimator, loss_agg_mode=rl.loss_agg_mode,
+                      is_cap=rl.is_cap, temperature=rl.temperature)
+    update = PolicyUpdate(policy, tx, loss, micro_batch_size=rl.micro_batch_size,
+                          probe_size=config.optimizer.probe_size, sketch=sketch,
+                          train_others=train_others, kl_control=kl_control)
+    return update, sketch, train_others
+
+
+def update_step_memory(config: ml_collections.ConfigDict, mesh: Mesh, *, micro_steps: int | None = None,
+                       dump_dir: str | pathlib.Path | None = None) -> StepMemory:
+    """Compiles one update of ``config`` (model shape, optimizer, batch) on ``mesh``; no arrays.
+
+    ``micro_steps`` sets the batch to that many micro-batches of ``rl.micro_batch_size`` rows
+    (default: the config's prompts_per_step × num_generations rows). ``dump_dir`` keeps XLA's HLO
+    dump of the step there (for `peak_breakdown`).
+    """
+    model_config = model_shapes.model_config_from(config.model)
+    model = abstract_model(model_config)
+    policy = Policy(model)
+    params = abstract_params(model, mesh)
+    update, sketch, train_others = build_policy_update(config, policy)
+    opt_state = abstract_opt_state(update.tx, params)
+
+    rl = config.rl
+    rows = config.data.prompts_per_step * rl.num_generations
+    if micro_steps is not None:
+        if micro_steps <= 0:
+            raise ValueError(f"micro_steps must be positive, got {micro_steps}")
+        rows = micro_steps * rl.micro_batch_size
+    if rows % rl.micro_batch_size:
+        raise ValueError(f"{rows} rows per update are not a multiple of rl.micro_batch_size="
+                         f"{rl.micro_batch_size}")
+    batch = abstract_batch(mesh, rows, rl.max_prompt_length, rl.max_completion_length)
+
+    options = {}
+    if dump_dir is not None:
+        options = {"xla_dump_to": str(dump_dir), "xla_dump_hlo_as_text": True,
+                   "xla_dump_hlo_module_re": ".*_step_impl.*"}
+    lowered = update.jitted(params, opt_state).lower(params, opt_state, batch)
+    stats = lowered.compile(compiler_options=options or None).memory_analysis()
+    return StepMemory(
+        optimizer=config.optimizer.name, devices=mesh.size, micro_steps=rows // rl.micro_batch_size,
+        params=device_bytes(params), opt_state=device_bytes(opt_state), batch=device_bytes(batch),
+        gradients=gradient_bytes(params, sketch, train_others),
+        arguments=stats.argument_size_in_bytes, outputs=stats.output_size_in_bytes,
+        aliased=stats.alias_size_in_bytes, temporaries=stats.temp_size_in_bytes,
+        code=stats.generated_code_size_in_bytes)
+
+
+# ----------------------------------------------------------------------------------------------
+# What the RL loop keeps besides the update
+# ----------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class LoopMemory:
+    """Per-device bytes the RL loop holds besides the update step.
+
+    reference: the frozen reference policy (bf16, on the training devices) when beta > 0.
+    sampler_weights: the rollout engine's bf16 weights, on the rollout devices.
+    kv_cache: the sampler's cache for one rollout batch (compute dtype), on the rollout devices;
+      it exists only while sampling.
+    colocated: the rollout devices are the training devices (then all of it adds up there).
+    """
+
+    reference: int
+    sampler_weights: int
+    kv_cache: int
+    rollout_devices: int
+    colocated: bool
+
+
+def _bf16(params) -> dict:
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16, sharding=x.sharding), params)
+
+
+def kv_cache_bytes(model_config: ModelConfig, rows: int, length: int, mesh: Mesh) -> int:
+    """Per-device bytes of the KVCache of ``rows`` sequences of ``length`` slots (rows over fsdp)."""
+    shape = (model_config.num_layers, rows, length, model_config.num_kv_heads, model_config.head_dim)
+    axis = "fsdp" if "fsdp" in mesh.shape and rows % mesh.shape["fsdp"] == 0 else None
+    sharding = NamedSharding(mesh, P(None, axis))
+    one = jax.ShapeDtypeStruct(shape, model_config.compute_dtype, sharding=sharding)
+    return 2 * device_bytes(one)  # keys and values
+
+
+def rl_resident_bytes(config: ml_collections.ConfigDict, training: Mesh, rollout: Mesh) -> LoopMemory:
+    """Reference, sampler weights and KV cache per device for ``config``'s model and rollout batch.
+
+    ``rollout`` is the sampler's mesh: the training mesh itself when colocated.
+    """
+    model_config = model_shapes.model_config_from(config.model)
+    model = abstract_model(model_config)
+    rl = config.rl
+    reference = device_bytes(_bf16(abstract_params(model, training))) if rl.beta > 0 else 0
+    sampler = device_bytes(_bf16(abstract_params(model, rollout)))
+    rows = config.data.prompts_per_step * rl.num_generations
+    kv = kv_cache_bytes(model_config, rows, rl.max_prompt_length + rl.max_completion_length, rollout)
+    colocated = set(rollout.devices.flat) == set(training.devices.flat)
+    return LoopMemory(reference=reference, sampler_weights=sampler, kv_cache=kv,
+                      rollout_devices=rollout.size, colocated=colocated)
+
+
+def rl_footprint(step: StepMemory, loop: LoopMemory) -> dict[str, int]:
+    """Per training device: the update phase, the rollout phase and the larger of the two.
+
+    update phase  = update peak + reference (+ sampler weights when colocated)
+    rollout phase = params + optimizer state + reference (+ sampler weights + KV cache when colocated)
+    """
+    shared = loop.reference + (loop.sampler_weights if loop.colocated else 0)
+    update = step.peak + shared
+    rollout = step.params + step.opt_state + shared + (loop.kv_cache if loop.colocated else 0)
+    return {"update": update, "rollout": rollout, "total": max(update, rollout)}
+
+
+# ----------------------------------------------------------------------------------------------
+# Where the bytes go: XLA's account of the buffers live at the peak
+# ----------------------------------------------------------------------------------------------
+_TREE_LINE = re.compile(r"^(?P<indent>[\s│├└─]*?)(?P<name>[^\s│├└─].*?) \((?P<pct>[\d.]+)%, total: "
+                        r"(?P<total>[\d ]+) bytes, current: (?P<current>[\d ]+) bytes")
+_VALUE_LINE = re.compile(r"value: <\d+ (?P<name>\S+) @\d+> \(size=\d+,offset=\d+\): (?P<shape>\S+)")
+_XLA_SCOPE = re.compile(r"(^|\.)(region_|wide\.|main\.)|_spmd|\.clone|\.sunk")
+
+
+def _int(text: str) -> int:
+    return int(text.replace(" ", ""))
+
+
+def peak_breakdown(dump_dir: str | pathlib.Path, module: str = "_step_impl") -> tuple[int, list[tuple[str, int]]]:
+    """(peak bytes, [(buffer label, bytes)] largest first) of the buffers live at the peak.
+
+    Parsed from XLA's ``*-live-range.txt`` ("Stack trace breakdown for peak usage") of an HLO dump
+    made with ``update_step_memory(..., dump_dir=...)``. A label is the op's JAX name scope when
+    XLA kept it (e.g. ``params/layers/mlp/up_proj/kernel`` or ``.../transpose(jvp())/.../dot_general``),
+    else the HLO instruction name, with the buffer's shape when the dump records it.
+    """
+    dump_dir = pathlib.Path(dump_dir)
+    ranges = sorted(dump_dir.glob(f"*{module}*live-range.txt"))
+    if not ranges:
+        raise FileNotFoundError(f"no XLA live-range file for {module!r} in {dump_dir} (compile with "
+                                f"update_step_memory(..., dump_dir=...))")
+    shapes = {}
+    for path in dump_dir.glob(f"*{module}*buffer-assignment.txt"):
+        for match in _VALUE_LINE.finditer(path.read_text()):
+            shapes.setdefault(match["name"], match["shape"])
+    lines = ranges[-1].read_text().splitlines()
+    start = next((i for i, line in enumerate(lines) if "Stack trace breakdown for peak usage" in line), None)
+    if start is None:
+        raise ValueError(f"{ranges[-1]} has no 'Stack trace breakdown for peak usage' section")
+    peak = _int(lines[start].split(":")[-1].replace("bytes", ""))
+    stack: list[tuple[int, str]] = []
+    entries: list[tuple[str, int]] = []
+    for line in lines[start + 1:]:
+        match = _TREE_LINE.match(line)
+        if match is None:
+            break
+        depth = len(match["indent"])
+        name = match["name"]
+        while stack and stack[-1][0] >= depth:
+            stack.pop()
+        stack.append((depth, name))
+        current = _int(match["current"])
+        if current == 0:
+            continue
+        scopes = [n for _, n in stack[1:] if not _XLA_SCOPE.search(n)]
+        label = name if "/" in name else "/".join(scopes) if scopes else name
+        if name in shapes:
+            label = f"{label} {shapes[name]}"
+        entries.append((label, current))
+    entries.sort(key=lambda e: -e[1])
+    return peak, entries
+
+
+# ----------------------------------------------------------------------------------------------
+# The table
+# ----------------------------------------------------------------------------------------------
+def gib(n: int) -> str:
+    return f"{n / GIB:.2f}"
+
+
+def format_table(steps: list[StepMemory], loop: LoopMemory | None = None) -> str:
+    """One column per optimizer, GiB per training device."""
+    names = [s.optimizer for s in steps]
+    width = max(10, *(len(n) for n in names))
+    rows: list[tuple[str, list[str]]] = [
+        ("params (fp32 master)", [gib(s.params) for s in steps]),
+        ("optimizer state", [gib(s.opt_state) for s in steps]),
+        ("gradients/sketches", [gib(s.gradients) for s in steps]),
+        ("other temporaries", [gib(s.other_temporaries) for s in steps]),
+        ("temporaries (XLA)", [gib(s.temporaries) for s in steps]),
+        ("batch", [gib(s.batch) for s in steps]),
+        ("update peak (XLA)", [gib(s.peak) for s in steps]),
+    ]
+    if loop is not None:
+        rows.append(("+ reference (bf16)", [gib(loop.reference)] * len(steps)))
+        where = "colocated" if loop.colocated else f"own {loop.rollout_devices} devices"
+        rows.append((f"sampler bf16 ({where})", [gib(loop.sampler_weights)] * len(steps)))
+        rows.append((f"KV cache ({where})", [gib(loop.kv_cache)] * len(steps)))
+        phases = [rl_footprint(s, loop) for s in steps]
+        rows.append(("RL update phase", [gib(p["update"]) for p in phases]))
+        rows.append(("RL rollout phase", [gib(p["rollout"]) for p in phases]))
+        rows.append(("RL footprint (max)", [gib(p["total"]) for p in phases]))
+    label_width = max(len(r[0]) for r in rows)
+    head = f"{'GiB per training device':<{label_width}}  " + "  ".join(f"{n:>{width}}" for n in names)
+    lines = [head, "-" * len(head)]
+    for label, values in rows:
+        lines.append(f"{label:<{label_width}}  " + "  ".join(f"{v:>{width}}" for v in values))
+    return "\n".join(lines)

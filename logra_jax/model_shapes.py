@@ -1,0 +1,70 @@
+"""Published model shapes without weights, for memory planning: ``model.source = "shape:<name>"``.
+
+A shape is everything that decides how many bytes a model occupies (vocabulary, width, depth, heads,
+MLP width, tied head, q/k/v biases). The values are copied from each model's public Hugging Face
+``config.json``. Where our Llama/Qwen2 decoder differs from the real architecture the difference is
+listed under the shape; none of it changes parameter bytes by more than 0.1 % or the activation
+bytes of the training step at all.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+from logra_jax.models.config import ModelConfig
+
+SHAPE_PREFIX = "shape:"
+
+MODEL_SHAPES: dict[str, dict] = {
+    # Qwen/Qwen2.5-1.5B(-Instruct): 1.54 B parameters, embeddings tied.
+    "qwen2_5_1_5b": dict(vocab_size=151936, hidden_size=1536, num_layers=28, num_heads=12,
+                         num_kv_heads=2, head_dim=128, intermediate_size=8960, rope_theta=1e6,
+                         rms_norm_eps=1e-6, qkv_bias=True, tie_embeddings=True,
+                         max_position_embeddings=32768),
+    # Qwen/Qwen2.5-7B(-Instruct) and Qwen2.5-Math-7B (the reference's model): 7.62 B parameters,
+    # untied head. Math-7B differs only in rope_theta (1e4) and a 4096-token context: no bytes.
+    "qwen2_5_7b": dict(vocab_size=152064, hidden_size=3584, num_layers=28, num_heads=28,
+                       num_kv_heads=4, head_dim=128, intermediate_size=18944, rope_theta=1e6,
+                       rms_norm_eps=1e-6, qkv_bias=True, tie_embeddings=False,
+                       max_position_embeddings=32768),
+    # google/gemma-3-27b (text tower): 62 layers, d 5376, MLP 21504, 32 q / 16 kv heads × 128,
+    # tied embeddings. Approximated by our decoder: vocabulary 262144 (HF lists 262208, +64
+    # rows = +0.01 % params); SwiGLU instead of GeGLU (same shapes and activations); no q/k norms
+    # and 2 instead of 4 RMSNorms per layer (0.7 M of 27.4 B params); every layer global, where
+    # Gemma 3 makes 5 of 6 layers sliding-window (1024): the same training bytes here (our
+    # attention materialises full scores either way), but the KV cache of a real Gemma 3 sampler
+    # with a sliding-window cache is smaller than ours for sequences > 1024 tokens.
+    "gemma3_27b": dict(vocab_size=262144, hidden_size=5376, num_layers=62, num_heads=32,
+                       num_kv_heads=16, head_dim=128, intermediate_size=21504, rope_theta=1e6,
+                       rms_norm_eps=1e-6, qkv_bias=False, tie_embeddings=True,
+                       max_position_embeddings=131072),
+}
+
+
+def is_shape_source(source: str) -> bool:
+    return isinstance(source, str) and source.startswith(SHAPE_PREFIX)
+
+
+def shape_config(name: str, *, dtype: str = "float32", param_dtype: str = "float32",
+                 remat: bool = False) -> ModelConfig:
+    """The ModelConfig of a known shape with the run's numerics (compute dtype, master dtype, remat)."""
+    if name not in MODEL_SHAPES:
+        raise ValueError(f"unknown model shape {name!r}; known shapes: {sorted(MODEL_SHAPES)}")
+    return ModelConfig(dtype=dtype, param_dtype=param_dtype, remat=remat, **MODEL_SHAPES[name])
+
+
+def model_config_from(cfg: ml_collections.ConfigDict) -> ModelConfig:
+    """ModelConfig of ``config.model`` when its source is ``"shape:<name>"`` or ``"tiny"``.
+
+    Sources with weights (a GGUF file, a Hugging Face folder, a known model name) take their shape
+    from those files; this function refuses them so a caller never plans with a guessed shape.
+    """
+    numerics = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype, remat=cfg.remat)
+    if is_shape_source(cfg.source):
+        return shape_config(cfg.source[len(SHAPE_PREFIX):], **numerics)
+    if cfg.source == "tiny":
+        # configs/base.py's tiny decoder uses SmolLM2's tokenizer: its vocabulary of 49152.
+        return ModelConfig(vocab_size=49152, **numerics, **dict(cfg.tiny))
+    raise ValueError(f"model.source={cfg.source!r} has weights, not a shape; use "
+                     f"'{SHAPE_PREFIX}<name>' (one of {sorted(MODEL_SHAPES)}) or 'tiny' for memory "
+                     f"planning")
