@@ -1,0 +1,307 @@
+"""Policy sync trainer → rollout engine (ALGORITHM.md §8) on disjoint 4 + 4 device meshes.
+
+The trainer (PolicyUpdate, the real jitted step) runs on 4 devices (fsdp 4); each rollout engine on
+the other 4 (fsdp 2 × tensor 2: a different sharding). After every real LoGRA update, each mode's
+message goes over the wire; the sampler weights must then equal the trainer's cast to bf16 —
+bit for bit for full, sparse and factors with the master copy — while the bf16-only factors
+receiver's drift is measured and reported.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from configs import tiny as tiny_config
+from logra_jax import sharding as sharding_lib
+from logra_jax.models import Decoder
+from logra_jax.models.config import tiny
+from logra_jax.optim import LowRankUpdate, SketchSpec, logra, update_index
+from logra_jax.optim.targets import leaves_with_paths
+from logra_jax.rl import sync, sync_sparse
+from logra_jax.rl import trainer as trainer_lib
+from logra_jax.rl.policy import Policy, Sequences
+from logra_jax.rl.sampler import Sampler
+from logra_jax.rl.sync_bytes import sync_bytes
+from logra_jax.rl.update import LossConfig, PolicyUpdate, TrainBatch
+
+PROMPT, STEPS, ROWS = 8, 6, 8
+SPEC = SketchSpec(rank=8, seed=3)
+# Receivers kept in step by each trainer: name → (mode, master_copy).
+RECEIVERS = {"full": ("full", True), "sparse": ("sparse", True),
+             "factors": ("factors", True), "factors_bf16": ("factors", False)}
+RUNS = ["kl", "tiny_grpo"]
+
+
+def _host(tree):
+    return {p: np.asarray(x) for p, x in leaves_with_paths(jax.device_get(tree))}
+
+
+def _bf16_host(params):
+    return _host(jax.tree.map(lambda x: x.astype(jnp.bfloat16), params))
+
+
+def _meshes():
+    train_devices, rollout_devices = sync.split_devices(4)
+    return (train_devices, rollout_devices,
+            sharding_lib.make_mesh({"fsdp": 4, "tensor": 1}, train_devices),
+            sharding_lib.make_mesh({"fsdp": 2, "tensor": 2}, rollout_devices))
+
+
+def _replicate_scalars(opt_state, mesh):
+    return jax.tree.map(lambda x: x if isinstance(x.sharding, NamedSharding)
+                        else jax.device_put(x, NamedSharding(mesh, P())), opt_state)
+
+
+def _train_and_sync(run, params, opt_state, next_batch, updates_count):
+    """Real updates; after each, every receiver gets its mode's message. Everything is logged."""
+    kw = dict(sketch=run["sketch"], train_others=run["train_others"])
+    senders = {mode: sync.SyncSender(mode, params, **kw) for mode in sync.MODES}
+    engines = {r: sync.RolloutEngine(run["policy"], params, run["shardings"], mode=mode,
+                                     master_copy=master, temperature=run["temperature"], **kw)
+               for r, (mode, master) in RECEIVERS.items()}
+    log = {"messages": [], "metrics": [], "mismatch": [], "casts": [_bf16_host(params)], "drift": [],
+           "u_itemsize": None}
+    for i in range(updates_count):
+        batch = next_batch(i, params, engines["factors"])
+        k = int(update_index(opt_state))  # read before the step donates opt_state
+        params, opt_state, metrics, updates = run["step"](params, opt_state, batch)
+        assert np.isfinite(float(metrics["loss"]))
+        log["u_itemsize"] = next(iter(updates.values())).factor.dtype.itemsize
+        probe = jax.tree.map(lambda x: x[:2], batch.seqs)
+        # The trainer's call for the engine it samples with; the other receivers by hand.
+        log["metrics"].append(sync.sync_step(senders["factors"], engines["factors"], params,
+                                             updates=updates, update_index=k, probe=probe))
+        messages = {mode: s.message(params, updates=updates, update_index=k)
+                    for mode, s in senders.items()}
+        mismatch = {"factors": log["metrics"][-1]["logra/sync_mismatch"]}
+        for r, (mode, _) in RECEIVERS.items():
+            if r != "factors":
+                engines[r].receive(messages[mode])
+                mismatch[r] = engines[r].mismatch(params, probe)
+        log["messages"].append(messages)
+        log["mismatch"].append(mismatch)
+        log["casts"].append(_bf16_host(params))
+        log["drift"].append(sync.weight_drift(engines["factors_bf16"].params, params,
+                                              paths=engines["factors_bf16"].targets))
+    run.update(params=params, senders=senders, engines=engines, batch=batch, log=log)
+    return run
+
+
+@pytest.fixture(scope="module")
+def kl():
+    """The KL variant's update on tiny(): bf16 U, frozen non-targets, steps of relative size
+    update_ratio = 6e-5 — far below bf16 resolution (2⁻⁹). Greedy rollouts from the factors engine.
+
+    The predicted-KL controller is left off: it only rescales U before the bf16 rounding, which
+    the sync does not see, and its JVP would double the compile time of this test.
+    """
+    train_devices, rollout_devices, train_mesh, rollout_mesh = _meshes()
+    model = Decoder(tiny(), rngs=nnx.Rngs(0))
+    # A decisive head (logit gaps well above float noise) so greedy decoding is well conditioned.
+    model.lm_head.kernel[...] = model.lm_head.kernel[...] * 30.0
+    sharding_lib.shard_model(model, train_mesh)
+    policy = Policy(model)
+    sampler = Sampler(policy, max_prompt_length=PROMPT, max_completion_length=STEPS, eos_ids=[95],
+                      pad_id=0)
+    tx = logra(variant="kl", kl_control=False, rank=SPEC.rank, seed=SPEC.seed)
+    step = PolicyUpdate(policy, tx, LossConfig(algorithm="reinforce"), micro_batch_size=ROWS,
+                        probe_size=2, sketch=SPEC, train_others=False, return_updates=True)
+    params = Policy.params_of(model)
+    prompts = jax.random.randint(jax.random.PRNGKey(0), (ROWS, PROMPT), 1, 90, jnp.int32)
+    on_train = NamedSharding(train_mesh, P("fsdp"))
+    on_rollout = NamedSharding(rollout_mesh, P("fsdp"))
+
+    def next_batch(i, params, engine):
+        tokens, mask = jax.device_put((prompts, jnp.ones_like(prompts, bool)), on_rollout)
+        out = sampler.generate(engine.params, tokens, mask, jax.random.PRNGKey(i), greedy=True)
+        seqs = Sequences.from_sample(out.prompt_tokens, out.prompt_mask, out.tokens, out.mask)
+        seqs, logp, completed = jax.device_put((seqs, out.logprobs, out.finished), on_train)
+        adv = jax.device_put(jax.random.normal(jax.random.PRNGKey(100 + i), (ROWS,)), on_train)
+        return TrainBatch(seqs=seqs, advantages=adv, rollout_logp=logp,
+                          ref_logp=jnp.zeros_like(logp), completed=completed)
+
+    run = dict(name="kl", policy=policy, sampler=sampler, step=step, sketch=SPEC, train_others=False,
+               temperature=1.0, params0=_host(params), train_devices=train_devices,
+               rollout_devices=rollout_devices, train_mesh=train_mesh, rollout_mesh=rollout_mesh,
+               shardings=sync.rollout_shardings(model, rollout_mesh), prompts=prompts)
+    opt_state = _replicate_scalars(jax.jit(tx.init)(params), train_mesh)
+    return _train_and_sync(run, params, opt_state, next_batch, updates_count=2)
+
+
+@pytest.fixture(scope="module")
+def tiny_grpo():
+    """configs/tiny.py's RL loop (GRPO variant: fp32 U, weight decay, AdamW on the rest) with the
+    sampler on 4 devices and the trainer on the other 4: rollouts come from the factors engine."""
+    config = tiny_config.get_config()
+    config.optimizer.weight_decay = 0.1  # weight_scale ≠ 1 must reach the receiver too
+    rl = config.rl
+    train_devices, rollout_devices, train_mesh, rollout_mesh = _meshes()
+    model, tokenizer = trainer_lib.build_model(config.model, train_mesh)
+    policy = Policy(model)
+    params = Policy.params_of(model)
+    tx, sketch, train_others, kl_control = trainer_lib.build_optimizer(config.optimizer)
+    step = PolicyUpdate(policy, tx, LossConfig(algorithm=rl.algorithm), sketch=sketch,
+                        micro_batch_size=rl.micro_batch_size, probe_size=config.optimizer.probe_size,
+                        train_others=train_others, kl_control=kl_control, return_updates=True)
+    sampler = Sampler(policy, max_prompt_length=rl.max_prompt_length,
+                      max_completion_length=rl.max_completion_length, eos_ids=[tokenizer.eos_id],
+                      pad_id=tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eos_id)
+    data = trainer_lib.build_data(config.data, config.seed)
+    on_rollout, on_train = NamedSharding(rollout_mesh, P("fsdp")), NamedSharding(train_mesh, P("fsdp"))
+
+    def next_batch(i, params, engine):
+        ro = trainer_lib.collect_rollouts(sampler, engine.params, tokenizer, data.next(), rl,
+                                          config.data, jax.random.PRNGKey(i), on_rollout)
+        assert set(ro.rollout_logp.devices()) == set(rollout_devices)
+        rewards = trainer_lib.score(ro.texts, ro.golds, rl)
+        # A random policy earns no reward; random advantages still give a real update.
+        adv = np.asarray(jax.random.normal(jax.random.PRNGKey(i), rewards.shape))
+        seqs, logp, completed = jax.device_put((ro.seqs, ro.rollout_logp, ro.completed), on_train)
+        return TrainBatch(seqs=seqs, advantages=jax.device_put(adv, on_train), rollout_logp=logp,
+                          ref_logp=jnp.zeros_like(logp), completed=completed)
+
+    run = dict(name="tiny_grpo", policy=policy, sampler=sampler, step=step, sketch=sketch, train_others=train_others,
+               temperature=rl.temperature, params0=_host(params), train_devices=train_devices,
+               rollout_devices=rollout_devices, train_mesh=train_mesh, rollout_mesh=rollout_mesh,
+               shardings=sync.rollout_shardings(model, rollout_mesh))
+    opt_state = _replicate_scalars(jax.jit(tx.init)(params), train_mesh)
+    run = _train_and_sync(run, params, opt_state, next_batch, updates_count=2)
+    assert set(jax.tree.leaves(run["params"])[0].devices()) == set(train_devices)
+    return run
+
+
+@pytest.fixture(scope="module", params=RUNS)
+def run(request):
+    return request.getfixturevalue(request.param)
+
+
+@pytest.mark.parametrize("receiver", ["full", "sparse", "factors"])
+def test_exact_modes_give_the_trainers_bf16_weights_bit_for_bit(run, receiver):
+    engine = run["engines"][receiver]
+    drift = sync.weight_drift(engine.params, run["params"])
+    assert drift["num_differing"] == 0, f"{receiver}: {drift}"
+    # ... and the syncs did move the sampler: its weights are not the initial ones any more.
+    moved = sync.weight_drift(engine.params, run["params0"], paths=engine.trainable)
+    assert moved["num_differing"] > 0
+    # Placement: bf16 on the rollout devices, with the rollout mesh's own sharding.
+    placement = dict(leaves_with_paths(run["shardings"]))
+    for path, leaf in leaves_with_paths(engine.params):
+        assert leaf.dtype == jnp.bfloat16, path
+        assert leaf.sharding.is_equivalent_to(placement[path], leaf.ndim), path
+        assert set(leaf.devices()) == set(run["rollout_devices"]), path
+    if receiver == "factors":
+        # The master copy is the trainer's fp32 weights bit for bit: the merge is the same arithmetic.
+        trainer = _host(run["params"])
+        for path, w in engine.master.items():
+            np.testing.assert_array_equal(np.asarray(jax.device_get(w)), trainer[path], err_msg=path)
+
+
+def test_bf16_only_factors_receiver_drifts_and_reports_it(run):
+    log = run["log"]
+    print(f"\n{run['name']}: a factors receiver without the master copy (targets only):")
+    for i, (d, m) in enumerate(zip(log["drift"], log["mismatch"])):
+        print(f"  update {i + 1}: max|ΔW| {d['max_abs']:.3g}, entries differing "
+              f"{d['frac_differing']:.2%}, log-prob mismatch {m['factors_bf16']:.3g} "
+              f"(exact receiver: {m['factors']:.3g})")
+        assert np.isfinite(d["max_abs"]) and np.isfinite(m["factors_bf16"])
+    # It does drift: bf16 arithmetic rounds away changes that the trainer's fp32 weights keep.
+    assert log["drift"][-1]["num_differing"] > 0
+    # Fewer of its bf16 entries moved than the trainer's bf16 cast did: changes got lost.
+    engine, first, last = run["engines"]["factors_bf16"], log["casts"][0], log["casts"][-1]
+    mine = _host(engine.params)
+    kept = sum(int(np.sum(mine[p].view(np.uint16) != first[p].view(np.uint16))) for p in engine.targets)
+    real = sum(int(np.sum(last[p].view(np.uint16) != first[p].view(np.uint16))) for p in engine.targets)
+    print(f"  entries the trainer's bf16 cast changed: {real}; the bf16-only receiver changed: {kept}")
+    if run["name"] == "kl":  # steps far below bf16 resolution: most of them are rounded away
+        assert kept < real
+
+
+def test_bytes_match_the_analytic_count(run):
+    log = run["log"]
+    expected = sync_bytes(run["params0"], run["sketch"], train_others=run["train_others"],
+                          factor_itemsize=log["u_itemsize"])
+    for i, messages in enumerate(log["messages"]):
+        assert messages["full"].nbytes == expected.full == run["senders"]["full"].full_bytes
+        assert messages["factors"].nbytes == expected.factors
+        # Sparse: exactly the entries whose bf16 bits changed between consecutive trainer casts.
+        before, after = log["casts"][i], log["casts"][i + 1]
+        sparse = messages["sparse"]
+        for path in run["senders"]["sparse"].trainable:
+            changed = int(np.sum(before[path].view(np.uint16) != after[path].view(np.uint16)))
+            assert sparse.num_changed[path] == changed, path
+        assert sparse.nbytes == sum(sync_sparse.bucket_size(c) * 6 for c in sparse.num_changed.values())
+    # Targets' factors: at most r/in of their bf16 weights with bf16 U (KL), twice that with fp32 U.
+    bound = expected.max_rank_ratio * log["u_itemsize"] / 2
+    assert expected.target_factors <= bound * expected.target_weights
+    assert expected.factors < expected.full
+
+
+def test_sync_step_reports_bytes_and_mismatch(run):
+    log = run["log"]
+    for row, messages, mismatch in zip(log["metrics"], log["messages"], log["mismatch"]):
+        assert row["logra/sync_bytes"] == messages["factors"].nbytes
+        assert row["logra/sync_bytes_full"] == messages["full"].nbytes
+        assert row["logra/sync_mismatch"] == mismatch["factors"]
+        assert all(np.isfinite(v) for v in row.values()), row
+
+
+def test_mismatch_is_the_bf16_gap_of_the_log_probs(run):
+    # Placed as mismatch() places it, so the cached log-prob program is reused.
+    probe = jax.device_put(jax.tree.map(lambda x: x[:2], run["batch"].seqs),
+                           NamedSharding(run["train_mesh"], P()))
+    logp = sync._logprob_fn(run["policy"], run["temperature"])
+    fp32 = np.asarray(logp(run["params"], probe), np.float64)
+    bf16 = np.asarray(logp(jax.tree.map(lambda x: x.astype(jnp.bfloat16), run["params"]), probe),
+                      np.float64)
+    mask = np.asarray(probe.completion_mask)
+    direct = np.abs(bf16 - fp32)[mask].mean()
+    measured = run["engines"]["factors"].mismatch(run["params"], probe)
+    assert direct > 0  # bf16 weights do move the log-probs
+    np.testing.assert_allclose(measured, direct, rtol=1e-2)
+
+
+def test_greedy_generations_of_sampler_and_trainer_agree(kl):
+    """The rollout engine generates what the trainer's weights, cast to bf16, generate."""
+    run = kl
+    sampler, prompts = run["sampler"], run["prompts"]
+    mask = jnp.ones_like(prompts, bool)
+    on_train = NamedSharding(run["train_mesh"], P("fsdp"))
+    on_rollout = NamedSharding(run["rollout_mesh"], P("fsdp"))
+    trainer_bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), run["params"])
+    expected = sampler.generate(trainer_bf16, *jax.device_put((prompts, mask), on_train),
+                                jax.random.PRNGKey(0), greedy=True)
+    for receiver in ("full", "sparse", "factors"):
+        out = sampler.generate(run["engines"][receiver].params,
+                               *jax.device_put((prompts, mask), on_rollout),
+                               jax.random.PRNGKey(0), greedy=True)
+        assert set(out.tokens.devices()) == set(run["rollout_devices"])
+        np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(expected.tokens),
+                                      err_msg=receiver)
+
+
+def test_bad_input_is_one_clear_error(kl):
+    run = kl
+    with pytest.raises(ValueError, match="sync mode must be one of"):
+        sync.SyncSender("dense", run["params"], sketch=SPEC)
+    with pytest.raises(ValueError, match="needs the LoGRA optimizer"):
+        sync.SyncSender("factors", run["params"], sketch=None)
+    with pytest.raises(ValueError, match="rollout_devices=8"):
+        sync.split_devices(8)
+    sender = run["senders"]["factors"]
+    with pytest.raises(ValueError, match="needs this step's target updates"):
+        sender.message(run["params"])
+    # The last step's U with the keys of its update index k passes; claiming another k is refused,
+    # since the receiver would regenerate a different A.
+    k = len(run["log"]["messages"]) - 1
+    last = run["log"]["messages"][-1]["factors"].payload
+    updates = {p: LowRankUpdate(factor=u, key=SPEC.keys(sender.targets[p], k),
+                                weight_scale=last["weight_scale"][p])
+               for p, u in last["factors"].items()}
+    sender.message(run["params"], updates=updates, update_index=k)
+    with pytest.raises(ValueError, match="does not regenerate"):
+        sender.message(run["params"], updates=updates, update_index=k + 1)
+    with pytest.raises(ValueError, match="sent to a rollout engine in mode 'full'"):
+        run["engines"]["full"].receive(run["log"]["messages"][-1]["sparse"])
