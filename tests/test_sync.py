@@ -39,6 +39,12 @@ def _host(tree):
     return {p: np.asarray(x) for p, x in leaves_with_paths(jax.device_get(tree))}
 
 
+def _unflatten(like, flat: dict):
+    """A params-shaped tree from {path: array}."""
+    return jax.tree.unflatten(jax.tree.structure(like),
+                              [flat[p] for p, _ in leaves_with_paths(like)])
+
+
 def _bf16_host(params):
     return _host(jax.tree.map(lambda x: x.astype(jnp.bfloat16), params))
 
@@ -58,7 +64,8 @@ def _replicate_scalars(opt_state, mesh):
 def _train_and_sync(run, params, opt_state, next_batch, updates_count):
     """Real updates; after each, every receiver gets its mode's message. Everything is logged."""
     kw = dict(sketch=run["sketch"], train_others=run["train_others"])
-    senders = {mode: sync.SyncSender(mode, params, **kw) for mode in sync.MODES}
+    # One sender per receiver: factors and sparse messages are deltas numbered per sender.
+    senders = {r: sync.SyncSender(mode, params, **kw) for r, (mode, _) in RECEIVERS.items()}
     engines = {r: sync.RolloutEngine(run["policy"], params, run["shardings"], mode=mode,
                                      master_copy=master, temperature=run["temperature"], **kw)
                for r, (mode, master) in RECEIVERS.items()}
@@ -74,13 +81,12 @@ def _train_and_sync(run, params, opt_state, next_batch, updates_count):
         # The trainer's call for the engine it samples with; the other receivers by hand.
         log["metrics"].append(sync.sync_step(senders["factors"], engines["factors"], params,
                                              updates=updates, update_index=k, probe=probe))
-        messages = {mode: s.message(params, updates=updates, update_index=k)
-                    for mode, s in senders.items()}
+        messages = {r: s.message(params, updates=updates, update_index=k)
+                    for r, s in senders.items() if r != "factors"}
         mismatch = {"factors": log["metrics"][-1]["logra/sync_mismatch"]}
-        for r, (mode, _) in RECEIVERS.items():
-            if r != "factors":
-                engines[r].receive(messages[mode])
-                mismatch[r] = engines[r].mismatch(params, probe)
+        for r, message in messages.items():
+            engines[r].receive(message)
+            mismatch[r] = engines[r].mismatch(params, probe)
         log["messages"].append(messages)
         log["mismatch"].append(mismatch)
         log["casts"].append(_bf16_host(params))
@@ -225,7 +231,7 @@ def test_bytes_match_the_analytic_count(run):
                           factor_itemsize=log["u_itemsize"])
     for i, messages in enumerate(log["messages"]):
         assert messages["full"].nbytes == expected.full == run["senders"]["full"].full_bytes
-        assert messages["factors"].nbytes == expected.factors
+        assert messages["factors_bf16"].nbytes == expected.factors
         # Sparse: exactly the entries whose bf16 bits changed between consecutive trainer casts.
         before, after = log["casts"][i], log["casts"][i + 1]
         sparse = messages["sparse"]
@@ -242,7 +248,7 @@ def test_bytes_match_the_analytic_count(run):
 def test_sync_step_reports_bytes_and_mismatch(run):
     log = run["log"]
     for row, messages, mismatch in zip(log["metrics"], log["messages"], log["mismatch"]):
-        assert row["logra/sync_bytes"] == messages["factors"].nbytes
+        assert row["logra/sync_bytes"] == messages["factors_bf16"].nbytes  # the same content
         assert row["logra/sync_bytes_full"] == messages["full"].nbytes
         assert row["logra/sync_mismatch"] == mismatch["factors"]
         assert all(np.isfinite(v) for v in row.values()), row
@@ -296,7 +302,7 @@ def test_bad_input_is_one_clear_error(kl):
     # The last step's U with the keys of its update index k passes; claiming another k is refused,
     # since the receiver would regenerate a different A.
     k = len(run["log"]["messages"]) - 1
-    last = run["log"]["messages"][-1]["factors"].payload
+    last = run["log"]["messages"][-1]["factors_bf16"].payload
     updates = {p: LowRankUpdate(factor=u, key=SPEC.keys(sender.targets[p], k),
                                 weight_scale=last["weight_scale"][p])
                for p, u in last["factors"].items()}
@@ -305,3 +311,23 @@ def test_bad_input_is_one_clear_error(kl):
         sender.message(run["params"], updates=updates, update_index=k + 1)
     with pytest.raises(ValueError, match="sent to a rollout engine in mode 'full'"):
         run["engines"]["full"].receive(run["log"]["messages"][-1]["sparse"])
+    # A delta applied twice (or one lost) would silently corrupt the sampler: refused.
+    with pytest.raises(ValueError, match="every message must arrive, in order"):
+        run["engines"]["sparse"].receive(run["log"]["messages"][-1]["sparse"])
+
+
+def test_colocated_engine_on_the_trainers_mesh(kl):
+    """Colocated: the rollout engine shares the trainer's devices (its own bf16 copy, same mesh).
+    Replaying the run's factors messages from the initial weights lands on the trainer's weights."""
+    run = kl
+    train_devices, rollout_devices = sync.split_devices(0)
+    assert train_devices == rollout_devices == jax.devices()
+    shardings = jax.tree.map(lambda x: x.sharding, run["params"])
+    params0 = jax.device_put(_unflatten(run["params"], run["params0"]), shardings)
+    engine = sync.RolloutEngine(run["policy"], params0, shardings, mode="factors", sketch=SPEC,
+                                train_others=False)
+    for messages in run["log"]["messages"]:
+        engine.receive(messages["factors_bf16"])
+    assert sync.weight_drift(engine.params, run["params"])["num_differing"] == 0
+    for leaf in jax.tree.leaves(engine.params):
+        assert set(leaf.devices()) == set(run["train_devices"])

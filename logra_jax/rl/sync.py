@@ -119,11 +119,14 @@ class SyncMessage:
     payload: a pytree of arrays, the only thing transferred — the parts of its mode among
       ``dense`` {path: new value, sampler dtype}; ``factors`` {path: U}; ``weight_scale``
       {path: fp32 scalar}; ``update_index`` int32 k; ``indices`` / ``values`` {path: sparse patch}.
+    sequence: the sender's count of messages before this one. ``factors`` and ``sparse`` messages
+      are deltas: a receiver must apply every one of them, in order, and checks this number.
     num_changed: sparse only, {path: changed entries} (patches are padded to a bucket size).
     """
 
     mode: str
     payload: dict[str, Any]
+    sequence: int
     num_changed: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
@@ -157,6 +160,7 @@ class SyncSender:
         self.full_bytes = int(sum(np.prod(shapes[p]) for p in self.trainable)) * self.dtype.itemsize
         self.dense_paths = ([p for p in self.trainable if p not in self.targets]
                             if mode == "factors" else list(self.trainable))
+        self._sequence = 0
         if mode == "sparse":
             for path in self.trainable:
                 sync_sparse.check_indexable(path, int(np.prod(shapes[path])))
@@ -170,20 +174,25 @@ class SyncSender:
 
         ``updates`` (factors only): the targets' LowRankUpdates of this step — a {path:
         LowRankUpdate} dict as ``PolicyUpdate(return_updates=True)`` returns, or a whole updates
-        tree. ``update_index``: the k of this update, i.e. ``update_index(opt_state)`` read before
-        the step.
+        tree. ``update_index``: the k of this update, i.e. ``int(update_index(opt_state))`` read
+        before the step (which donates opt_state).
         """
         if self.mode == "full":
-            return SyncMessage("full", {"dense": self._dense(params)})
-        if self.mode == "factors":
-            return self._factors_message(params, updates, update_index)
-        return self._sparse_message(params)
+            payload = {"dense": self._dense(params)}
+        elif self.mode == "factors":
+            payload = self._factors_payload(params, updates, update_index)
+        else:
+            payload, num_changed = self._sparse_payload(params)
+        message = SyncMessage(self.mode, payload, self._sequence,
+                              num_changed if self.mode == "sparse" else {})
+        self._sequence += 1
+        return message
 
     def _dense(self, params) -> dict[str, jax.Array]:
         """The leaves sent whole, cast to the sampler dtype (on the trainer's devices)."""
         return _cast_leaves(_select(params, self.dense_paths), self.dtype)
 
-    def _factors_message(self, params, updates, update_index) -> SyncMessage:
+    def _factors_payload(self, params, updates, update_index) -> dict[str, Any]:
         if updates is None or update_index is None:
             raise ValueError("sync mode 'factors' needs this step's target updates and its update "
                              "index: message(params, updates=..., update_index=...) with the updates "
@@ -214,9 +223,9 @@ class SyncSender:
             "weight_scale": {p: jnp.asarray(u.weight_scale, jnp.float32) for p, u in low_rank.items()},
             "update_index": k,
         }
-        return SyncMessage("factors", payload)
+        return payload
 
-    def _sparse_message(self, params) -> SyncMessage:
+    def _sparse_payload(self, params) -> tuple[dict[str, Any], dict[str, int]]:
         new = _cast_leaves(_select(params, self.trainable), self.dtype)
         counts = jax.device_get(sync_sparse.count_changes(new, self._mirror))
         indices, values, num_changed = {}, {}, {}
@@ -227,7 +236,7 @@ class SyncSender:
                 indices[path], values[path] = sync_sparse.encode(
                     new[path], self._mirror[path], capacity=sync_sparse.bucket_size(count))
         self._mirror = new  # what the receiver holds once this message is applied
-        return SyncMessage("sparse", {"indices": indices, "values": values}, num_changed)
+        return {"indices": indices, "values": values}, num_changed
 
 
 # ---------------------------------------------------------------------------------------------
@@ -281,6 +290,7 @@ class RolloutEngine:
         self._factor_shardings = {p: sharding_without_in_dim(self._leaves[p], keep_last=True)
                                   for p in self.targets}
         self._patchers: dict[str, Any] = {}
+        self._received = 0  # messages applied so far
         target_shardings = {p: self._shardings[p] for p in self.targets}
         if mode == "factors":
             if self.master_copy:
@@ -307,6 +317,11 @@ class RolloutEngine:
         if message.mode != self.mode:
             raise ValueError(f"a {message.mode!r} sync message sent to a rollout engine in mode "
                              f"{self.mode!r}")
+        if self.mode != "full" and message.sequence != self._received:
+            raise ValueError(f"{self.mode} sync message number {message.sequence} arrived, but "
+                             f"{self._received} messages were applied so far: '{self.mode}' sends "
+                             f"changes, so every message must arrive, in order; rebuild the sender "
+                             f"and the rollout engine from the trainer's params to resynchronise")
         payload = jax.device_put(message.payload, self._wire_shardings(message.payload))
         for path, value in payload.get("dense", {}).items():
             self._check_leaf(path, value.shape, value.dtype)
@@ -318,6 +333,7 @@ class RolloutEngine:
                 self._check_leaf(path, None, payload["values"][path].dtype)
                 self._leaves[path] = self._patcher(path)(self._leaves[path], indices,
                                                          payload["values"][path])
+        self._received += 1
 
     def _wire_shardings(self, payload) -> dict:
         """Where each part of a payload lands: dense values and U sharded like the weights they
