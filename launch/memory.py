@@ -140,9 +140,9 @@ def main(argv):
           f"{'colocated' if loop.colocated else f'{loop.rollout_devices} own devices'}")
     print(memory.format_table(steps, loop))
     for name, (peak, entries) in breakdowns.items():
-        print(f"\nlargest buffers live at the {name} peak ({memory.gib(peak)} GiB):")
+        print(f"\nlargest buffers live at the {name} peak ({memory.gib(peak)} GiB), MiB:")
         for label, size in entries[:_EXPLAIN.value]:
-            print(f"  {memory.gib(size):>7}  {label}")
+            print(f"  {size / 2**20:>9.1f}  {label}")
     if _JSON.value:
         payload = {"mesh": dict(mesh.shape), "loop": loop.__dict__,
                    "steps": [dict(s.__dict__, peak=s.peak) for s in steps],

@@ -185,6 +185,9 @@ def main(argv):
     bad = [w for w in widths if w <= 0 or w % 128]
     if bad:
         sys.exit(f"error: widths must be positive multiples of 128 (head_dim 64, GQA 2:1), got {bad}")
+    if min(widths) <= _RANK.value:
+        sys.exit(f"error: every width must exceed --rank {_RANK.value} (a sketch as wide as the "
+                 f"weight compresses nothing), got {min(widths)}")
     if _ROWS.value < 2 or _ROWS.value % 2:
         sys.exit(f"error: --rows must be an even number ≥ 2 (GRPO groups of 2), got {_ROWS.value}")
     results = time_widths(widths, _LAYERS.value, _ROWS.value, _PROMPT.value, _COMPLETION.value,

@@ -397,7 +397,9 @@ def peak_breakdown(dump_dir: str | pathlib.Path, module: str = "_step_impl") -> 
 # The table
 # ----------------------------------------------------------------------------------------------
 def gib(n: int) -> str:
-    return f"{n / GIB:.2f}"
+    """GiB with two decimals; three significant digits below 1 GiB (tiny test models)."""
+    value = n / GIB
+    return f"{value:.2f}" if value >= 0.995 or value == 0 else f"{value:.3g}"
 
 
 def format_table(steps: list[StepMemory], loop: LoopMemory | None = None) -> str:

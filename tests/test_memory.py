@@ -1,0 +1,208 @@
+"""The memory report: one real compile of the tiny config through the CLI, checked against shapes.
+
+XLA's numbers (arguments, aliased outputs, temporaries) must agree with the bytes computed from
+the parameters' shapes and shardings; AdamW's state must be two fp32 copies of the params;
+LoGRA's state must be the per-row moments plus the non-targets' Adam moments; shapes of the
+planning configs must match the published model sizes.
+"""
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from configs import tiny
+from logra_jax import memory, model_shapes
+from logra_jax.optim.targets import leaves_with_paths
+from logra_jax.rl.trainer import build_optimizer
+from logra_jax.rl.update import sketch_shardings
+
+REPO = Path(__file__).resolve().parents[1]
+MESH = {"fsdp": 4, "tensor": 2}
+SCALARS = 128  # bytes of counters and scalar metrics an optimizer state may add
+
+
+def shard_bytes(shape, dtype, spec, mesh_sizes) -> int:
+    """Bytes of one device's shard, written out independently of jax's shard_shape."""
+    n = math.prod(shape) * jnp.dtype(dtype).itemsize
+    for entry in spec:
+        for axis in (entry,) if isinstance(entry, str) else (entry or ()):
+            n //= mesh_sizes[axis]
+    return n
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    """The CLI on configs/tiny.py, LoGRA vs AdamW: (stdout, the --json numbers)."""
+    out = tmp_path_factory.mktemp("memory") / "tiny.json"
+    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)  # the CLI sets its own device count
+    proc = subprocess.run(
+        [sys.executable, "-m", "launch.memory", "--config", "configs/tiny.py", "--mesh",
+         "fsdp=4,tensor=2", "--compare", "adamw", "--micro_steps", "2", "--explain", "8",
+         "--json", str(out), "--config.rl.beta=0.04"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout, json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def shapes():
+    """Abstract params of the tiny config on the same mesh, and the two optimizers."""
+    config = tiny.get_config()
+    mesh = memory.training_mesh(MESH, jax.devices())
+    model = memory.abstract_model(model_shapes.model_config_from(config.model))
+    params = memory.abstract_params(model, mesh)
+    return config, model, params
+
+
+def steps_by_name(numbers):
+    return {s["optimizer"]: s for s in numbers["steps"]}
+
+
+def test_last_line_is_the_ratio_of_the_peaks(report):
+    stdout, numbers = report
+    steps = steps_by_name(numbers)
+    last = stdout.strip().splitlines()[-1]
+    match = re.fullmatch(r"peak per device: logra (\S+) GiB, adamw (\S+) GiB, ratio (\S+)", last)
+    assert match, last
+    assert float(match[3]) == pytest.approx(steps["logra"]["peak"] / steps["adamw"]["peak"], abs=1e-3)
+    for row in ("params (fp32 master)", "optimizer state", "gradients/sketches", "temporaries (XLA)",
+                "update peak (XLA)", "RL footprint (max)"):
+        assert row in stdout
+    assert "largest buffers live at the logra peak" in stdout
+
+
+def test_xla_arguments_and_donation_agree_with_shapes(report):
+    for step in report[1]["steps"]:
+        inputs = step["params"] + step["opt_state"] + step["batch"]
+        # XLA drops arguments the step never reads (e.g. unused batch fields), nothing else.
+        assert inputs - step["batch"] - SCALARS <= step["arguments"] <= inputs, step
+        # Donation: params and optimizer state are rewritten in place.
+        assert step["aliased"] >= step["params"] + step["opt_state"] - SCALARS, step
+        assert step["peak"] == (step["arguments"] + step["outputs"] - step["aliased"]
+                                + step["temporaries"])
+        assert step["temporaries"] >= step["gradients"]
+        assert step["micro_steps"] == 2 and step["devices"] == 8
+
+
+def test_params_bytes_from_specs(report, shapes):
+    _, _, params = shapes
+    expected = sum(shard_bytes(x.shape, x.dtype, x.sharding.spec, MESH) for x in jax.tree.leaves(params))
+    for step in report[1]["steps"]:
+        assert step["params"] == expected
+
+
+def test_adamw_state_is_two_fp32_copies_of_the_params(report):
+    adamw = steps_by_name(report[1])["adamw"]
+    assert 0 <= adamw["opt_state"] - 2 * adamw["params"] < SCALARS
+    assert adamw["gradients"] == adamw["params"]
+
+
+def test_logra_state_is_row_moments_plus_adam_of_the_others(report, shapes):
+    config, _, params = shapes
+    _, sketch, _, _ = build_optimizer(config.optimizer)
+    moments = others = sketches = 0
+    layouts = sketch_shardings(params, sketch)
+    for path, x in leaves_with_paths(params):
+        spec = tuple(x.sharding.spec) + (None,) * (x.ndim - len(x.sharding.spec))
+        if sketch.is_target(path):
+            *stack, _, out = x.shape
+            moments += shard_bytes((*stack, out), jnp.float32, spec[:-2] + spec[-1:], MESH)
+            rank = min(sketch.rank, x.shape[-2])
+            sketches += shard_bytes((*stack, out, rank), jnp.float32, layouts[path].spec, MESH)
+        else:
+            others += shard_bytes(x.shape, x.dtype, spec, MESH)
+    steps = steps_by_name(report[1])
+    logra, adamw = steps["logra"], steps["adamw"]
+    assert 0 <= logra["opt_state"] - (moments + 2 * others) < SCALARS
+    assert logra["gradients"] == sketches + others
+    assert logra["opt_state"] < adamw["opt_state"]
+    assert logra["gradients"] < adamw["gradients"]
+
+
+def test_loop_bytes(report, shapes):
+    config, model, params = shapes
+    loop = report[1]["loop"]
+    bf16 = sum(shard_bytes(x.shape, jnp.bfloat16, x.sharding.spec, MESH) for x in jax.tree.leaves(params))
+    assert loop["reference"] == bf16          # beta = 0.04 on the command line: a reference is kept
+    assert loop["sampler_weights"] == bf16 and loop["colocated"]
+    c, rl = model.config, config.rl
+    rows = config.data.prompts_per_step * rl.num_generations
+    tokens = rows * (rl.max_prompt_length + rl.max_completion_length)
+    assert loop["kv_cache"] == (2 * c.num_layers * tokens * c.num_kv_heads * c.head_dim * 4) // MESH["fsdp"]
+    footprint = report[1]["footprint"]["logra"]
+    step = steps_by_name(report[1])["logra"]
+    assert footprint["update"] == step["peak"] + loop["reference"] + loop["sampler_weights"]
+    assert footprint["total"] == max(footprint["update"], footprint["rollout"])
+
+
+def test_peak_breakdown_lists_live_params(report):
+    stdout = report[0]
+    section = stdout.split("largest buffers live at the logra peak")[1].split("\n\n")[0]
+    sizes = [float(line.split()[0]) for line in section.strip().splitlines()[1:]]
+    assert sizes == sorted(sizes, reverse=True) and len(sizes) == 8
+    assert "params/layers/" in section   # the stacked weights are live at the peak
+
+
+def test_opt_state_and_sketch_shardings(shapes):
+    config, _, params = shapes
+    for name in ("adamw", "logra"):
+        config.optimizer.name = name
+        tx, sketch, _, _ = build_optimizer(config.optimizer)
+        layout = dict(leaves_with_paths(memory.opt_state_shardings(tx, params)))
+        kernel = params["layers"]["self_attn"]["q_proj"]["kernel"]        # (L, embed, heads)
+        assert kernel.sharding.spec == P(None, "fsdp", "tensor")
+        if name == "adamw":
+            assert layout["1/0/mu/layers/self_attn/q_proj/kernel"] == kernel.sharding
+        else:
+            v = [s for path, s in layout.items() if path.endswith("v/layers/self_attn/q_proj/kernel")]
+            assert v == [NamedSharding(kernel.sharding.mesh, P(None, "tensor"))]
+            sketch_spec = sketch_shardings(params, sketch)["layers/self_attn/q_proj/kernel"].spec
+            assert sketch_spec == P(None, ("tensor", "fsdp"), None)   # out takes in's fsdp too
+    config.optimizer.name = "logra"
+
+
+@pytest.mark.parametrize("name, published", [
+    ("qwen2_5_1_5b", 1.54e9),   # Hugging Face model cards: "Number of Parameters: 1.54B"
+    ("qwen2_5_7b", 7.61e9),     # "7.61B"
+    ("gemma3_27b", 27.0e9),     # 27B (the vision tower's 0.4B of gemma-3-27b-it excluded)
+])
+def test_shapes_match_published_sizes(name, published):
+    model = memory.abstract_model(model_shapes.shape_config(name))
+    count = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    assert count == pytest.approx(published, rel=0.005)
+
+
+def test_bad_input_is_one_clear_error(shapes):
+    config = tiny.get_config()
+    with pytest.raises(ValueError, match="unknown model shape 'llama_9000'"):
+        model_shapes.shape_config("llama_9000")
+    config.model.source = "smollm2-135m-instruct"
+    with pytest.raises(ValueError, match="has weights, not a shape"):
+        model_shapes.model_config_from(config.model)
+    with pytest.raises(ValueError, match=r"needs 16 devices, only 8"):
+        memory.training_mesh({"fsdp": 16, "tensor": 1}, jax.devices())
+    config = tiny.get_config()
+    mesh = memory.training_mesh({"fsdp": 2, "tensor": 1}, jax.devices())
+    with pytest.raises(ValueError, match="micro_steps must be positive"):
+        memory.update_step_memory(config, mesh, micro_steps=0)
+
+
+def test_cli_rejects_a_malformed_mesh():
+    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run([sys.executable, "-m", "launch.memory", "--config", "configs/tiny.py",
+                           "--mesh", "fsdp=four"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode != 0
+    assert "error: --mesh 'fsdp=four'" in proc.stderr
