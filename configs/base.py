@@ -69,8 +69,19 @@ def get_config() -> ml_collections.ConfigDict:
         # predicted-KL control (§6)
         kl_control=False, kl_budget=2e-4, kl_budget_final=2e-5, kl_budget_horizon=300,
         alpha_max=3.0, update_ratio=6e-5, probe_size=2,
+        factor_dtype="",                  # "bfloat16": round the GRPO variant's U (exact factors sync)
         # dense AdamW baseline
         b1=0.9, adam_b2=0.999, adam_eps=1e-8,
+    ))
+
+    # Trainer → rollout engine (ALGORITHM.md §8; logra_jax/rl/sync.py).
+    c.sync = ml_collections.ConfigDict(dict(
+        mode="off",            # "off": the sampler reads the trainer's params (colocated, no copy)
+                               # | "full" | "factors" | "sparse": a separate engine receives messages
+        rollout_devices=0,     # 0: engine on the trainer's devices; n > 0: the last n devices
+        rollout_mesh=ml_collections.ConfigDict(dict(fsdp=-1, tensor=1)),
+        master_copy=True,      # factors: keep fp32 targets on the engine → bit-exact; False drifts
+        dtype="bfloat16",      # the engine's weights
     ))
 
     c.checkpoint = ml_collections.ConfigDict(dict(every=10, keep=2))

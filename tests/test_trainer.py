@@ -117,10 +117,32 @@ def test_resume_is_bit_identical(trainers, tmp_path):
                                      jax.device_get(resumed.opt_state)))
 
 
+def test_disjoint_rollout_devices_with_factor_sync(tmp_path):
+    """4 training + 4 rollout devices; the engine receives bf16 factors and stays bit-exact."""
+    config = make_config("logra-kl", max_steps=2,
+                         sync=dict(mode="factors", rollout_devices=4, master_copy=True))
+    run = trainer_lib.Run(config, tmp_path)
+    run.loop()
+    run.close()
+    trainer = run.trainer
+    assert {d.id for d in trainer.mesh.devices.flat}.isdisjoint(
+        {d.id for d in trainer.rollout_mesh.devices.flat})
+    rows = metrics.read_jsonl(tmp_path / "metrics.jsonl")
+    for row in rows:
+        assert 0 < row["logra/sync_bytes"] < row["logra/sync_bytes_full"]
+        assert np.isfinite(row["logra/sync_mismatch"])
+    engine, trainer_params = _flat(run.engine.params), _flat(run.params)
+    for path in engine:
+        np.testing.assert_array_equal(engine[path], trainer_params[path].astype(jnp.bfloat16),
+                                      err_msg=path)
+
+
 @pytest.mark.parametrize("overrides, message", [
     (dict(rl=dict(num_generations=1)), "num_generations=1"),
     (dict(mesh=dict(fsdp=3)), "but there are 8 devices"),
     (dict(data=dict(source="gsm8k", gsm8k_dir="/no/such/dir")), "/no/such/dir"),
+    (dict(sync=dict(mode="off", rollout_devices=4)), "needs a sync.mode"),
+    (dict(optimizer=dict(name="adamw"), sync=dict(mode="factors")), "has none"),
 ])
 def test_bad_input_is_one_clear_error(overrides, message, tmp_path):
     config = make_config("logra-grpo", **overrides)

@@ -64,6 +64,9 @@ def warmup_constant(learning_rate: optax.ScalarOrSchedule, warmup_steps) -> opta
     return schedule
 
 
+_FACTOR_DTYPES = {None: None, "": None, "float32": None, "bfloat16": jnp.bfloat16}
+
+
 def logra(*, variant: str = "grpo",
           learning_rate: optax.ScalarOrSchedule = 1e-6,
           weight_decay: float = 0.0,
@@ -76,7 +79,8 @@ def logra(*, variant: str = "grpo",
           kl_control: bool | None = None,
           kl_budget: float = 2e-4, kl_budget_final: float = 2e-5, kl_budget_horizon: int = 300,
           alpha_max: float = 3.0, mismatch_weight: float = 0.3,
-          update_ratio: float = 6e-5) -> optax.GradientTransformationExtraArgs:
+          update_ratio: float = 6e-5,
+          factor_dtype: str | None = None) -> optax.GradientTransformationExtraArgs:
     """LoGRA: sketched RowAdam for the projection matrices, AdamW or freezing for the rest.
 
     Args:
@@ -95,6 +99,9 @@ def logra(*, variant: str = "grpo",
         step of every parameter; a GRPO run's decoupled weight decay is neither predicted nor scaled.
       kl_budget, kl_budget_final, kl_budget_horizon, alpha_max, mismatch_weight: the controller.
       update_ratio: relative size of the KL variant's proposed step.
+      factor_dtype: round the GRPO variant's factor U to this dtype ("bfloat16") before the merge,
+        so a rollout engine receiving U (§8) applies exactly the trainer's update with half the
+        bytes of an fp32 U (≤ r/in of the bf16 weights). The KL variant always rounds to bf16.
 
     Update kwargs: ``predict_kl`` and ``mismatch`` (kl_control), ``num_tokens`` (variant "kl": the
     number of valid generated tokens the sketches sum over; default 1 = already a token mean).
@@ -104,6 +111,9 @@ def logra(*, variant: str = "grpo",
     """
     if variant not in ("grpo", "kl"):
         raise ValueError(f"variant must be 'grpo' or 'kl', got {variant!r}")
+    if factor_dtype not in _FACTOR_DTYPES:
+        raise ValueError(f"factor_dtype must be one of {sorted(_FACTOR_DTYPES, key=str)}, got "
+                         f"{factor_dtype!r}")
     for name, value in (("rank", rank), ("seed", seed)):
         _check_static_int(name, value)
     if others is None:
@@ -128,7 +138,8 @@ def logra(*, variant: str = "grpo",
     if variant == "grpo":
         target_tx = optax.chain(scale_by_row_adam(spec, variant="grpo", b2=b2, eps=eps),
                                 scale_by_step_size(learning_rate))
-        wrap = to_low_rank_updates(spec, learning_rate=learning_rate, weight_decay=weight_decay)
+        wrap = to_low_rank_updates(spec, learning_rate=learning_rate, weight_decay=weight_decay,
+                                   factor_dtype=_FACTOR_DTYPES[factor_dtype])
     else:
         target_tx = optax.chain(scale_by_row_adam(spec, variant="kl", b2=b2, eps=eps),
                                 scale_by_update_ratio(spec, update_ratio))

@@ -35,7 +35,8 @@ from logra_jax.data import PromptIterator, format_prompt, load_gsm8k, make_task_
 from logra_jax.models import Decoder, ModelConfig, from_pretrained
 from logra_jax.models import gguf_loader
 from logra_jax.optim import SketchSpec, logra, logra_metrics, warmup_constant
-from logra_jax.rl import losses, rewards
+from logra_jax.optim import update_index
+from logra_jax.rl import losses, rewards, sync
 from logra_jax.rl.policy import Policy, Sequences
 from logra_jax.rl.sampler import Sampler, pad_prompts
 from logra_jax.rl.update import LossConfig, PolicyUpdate, TrainBatch
@@ -44,10 +45,10 @@ from logra_jax.rl.update import LossConfig, PolicyUpdate, TrainBatch
 # ----------------------------------------------------------------------------------------------
 # Building blocks from the config
 # ----------------------------------------------------------------------------------------------
-def build_mesh(cfg: ml_collections.ConfigDict):
-    """The training mesh; an axis of -1 takes all devices the others leave."""
-    devices = jax.devices()
-    sizes = dict(cfg.mesh)
+def build_mesh(axes: ml_collections.ConfigDict, devices=None):
+    """A mesh over ``devices`` (default: all); an axis of -1 takes all devices the others leave."""
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = dict(axes)
     free = [name for name, size in sizes.items() if size == -1]
     if len(free) > 1:
         raise ValueError(f"mesh: at most one axis may be -1, got {sizes}")
@@ -56,7 +57,7 @@ def build_mesh(cfg: ml_collections.ConfigDict):
         if len(devices) % fixed:
             raise ValueError(f"mesh {sizes}: {len(devices)} devices are not divisible by {fixed}")
         sizes[free[0]] = len(devices) // fixed
-    return sharding_lib.make_mesh(sizes)
+    return sharding_lib.make_mesh(sizes, devices=devices)
 
 
 def build_model(cfg: ml_collections.ConfigDict, mesh):
@@ -107,7 +108,7 @@ def build_optimizer(cfg: ml_collections.ConfigDict):
         others_weight_decay=cfg.weight_decay, others_warmup_steps=cfg.warmup_steps,
         kl_control=kl_control, kl_budget=cfg.kl_budget, kl_budget_final=cfg.kl_budget_final,
         kl_budget_horizon=cfg.kl_budget_horizon, alpha_max=cfg.alpha_max,
-        update_ratio=cfg.update_ratio)
+        update_ratio=cfg.update_ratio, factor_dtype=cfg.factor_dtype or None)
     return tx, SketchSpec(**sketch), cfg.others != "frozen", kl_control
 
 
@@ -159,6 +160,15 @@ def score(texts: list[str], golds: list[str], rl_cfg) -> np.ndarray:
 # ----------------------------------------------------------------------------------------------
 # The loop
 # ----------------------------------------------------------------------------------------------
+SYNC_MODES = ("off", "full", "factors", "sparse")
+SYNC_DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
+
+
+def batch_sharding(mesh, rows: int) -> NamedSharding:
+    """Rows over the fsdp axis when they divide evenly, else replicated."""
+    return NamedSharding(mesh, P("fsdp" if rows % mesh.shape["fsdp"] == 0 else None))
+
+
 def validate(config: ml_collections.ConfigDict) -> None:
     rl = config.rl
     if rl.algorithm == "grpo" and rl.num_generations < 2:
@@ -168,6 +178,16 @@ def validate(config: ml_collections.ConfigDict) -> None:
         raise ValueError(f"rl.algorithm must be 'grpo' or 'reinforce', got {rl.algorithm!r}")
     if config.max_steps <= 0:
         raise ValueError(f"max_steps must be positive, got {config.max_steps}")
+    if config.sync.mode not in SYNC_MODES:
+        raise ValueError(f"sync.mode must be one of {SYNC_MODES}, got {config.sync.mode!r}")
+    if config.sync.rollout_devices and config.sync.mode == "off":
+        raise ValueError("sync.rollout_devices > 0 puts the sampler on its own devices, so it needs "
+                         "a sync.mode (full | factors | sparse) to receive the weights")
+    if config.sync.mode == "factors" and config.optimizer.name != "logra":
+        raise ValueError("sync.mode='factors' sends LoGRA's low-rank factors; optimizer.name="
+                         f"{config.optimizer.name!r} has none (use full or sparse)")
+    if config.sync.dtype not in SYNC_DTYPES:
+        raise ValueError(f"sync.dtype must be one of {sorted(SYNC_DTYPES)}, got {config.sync.dtype!r}")
     rows = config.data.prompts_per_step * rl.num_generations
     if rows % rl.micro_batch_size:
         raise ValueError(f"prompts_per_step × num_generations = {rows} rows is not a multiple of "
@@ -180,12 +200,16 @@ class Trainer:
     def __init__(self, config: ml_collections.ConfigDict):
         validate(config)
         self.config = config
-        self.mesh = build_mesh(config)
+        train_devices, rollout_devices = sync.split_devices(config.sync.rollout_devices)
+        self.mesh = build_mesh(config.mesh, train_devices)
+        self.rollout_mesh = (build_mesh(config.sync.rollout_mesh, rollout_devices)
+                             if rollout_devices else self.mesh)
         model, self.tokenizer = build_model(config.model, self.mesh)
         self.policy = Policy(model)
+        self.rollout_shardings = sync.rollout_shardings(model, self.rollout_mesh)
         self.initial_params = Policy.params_of(model)
         del model
-        self.tx, self.sketch, train_others, kl_control = build_optimizer(config.optimizer)
+        self.tx, self.sketch, self.train_others, kl_control = build_optimizer(config.optimizer)
         rl = config.rl
         self.update = PolicyUpdate(
             self.policy, self.tx,
@@ -193,15 +217,16 @@ class Trainer:
                        beta=rl.beta, kl_estimator=rl.kl_estimator, loss_agg_mode=rl.loss_agg_mode,
                        is_cap=rl.is_cap, temperature=rl.temperature),
             micro_batch_size=rl.micro_batch_size, probe_size=config.optimizer.probe_size,
-            sketch=self.sketch, train_others=train_others, kl_control=kl_control)
+            sketch=self.sketch, train_others=self.train_others, kl_control=kl_control,
+            return_updates=config.sync.mode == "factors")
         eos_ids = [self.tokenizer.eos_id]
         pad_id = self.tokenizer.pad_id if self.tokenizer.pad_id is not None else self.tokenizer.eos_id
         self.sampler = Sampler(self.policy, max_prompt_length=rl.max_prompt_length,
                                max_completion_length=rl.max_completion_length, eos_ids=eos_ids,
                                pad_id=pad_id)
         rows = config.data.prompts_per_step * rl.num_generations
-        batch_axis = "fsdp" if rows % self.mesh.shape["fsdp"] == 0 else None
-        self.batch_sharding = NamedSharding(self.mesh, P(batch_axis))
+        self.batch_sharding = batch_sharding(self.mesh, rows)
+        self.rollout_batch_sharding = batch_sharding(self.rollout_mesh, rows)
         self._ref_logprobs = jax.jit(self._ref_logprobs_impl)
         self._init_opt = jax.jit(self.tx.init)
 
@@ -257,6 +282,17 @@ class Run:
             data.restore(meta["data"])
             logging.info("resumed from %s at step %d", ckpt.directory, step)
         ref_params = t.initial_params if rl.beta > 0 else None
+        # The rollout engine starts from the (restored) trainer weights; factors/sparse messages
+        # are deltas from there, so a resume only needs a fresh sender and engine.
+        sync_mode = config.sync.mode
+        if sync_mode != "off":
+            dtype = SYNC_DTYPES[config.sync.dtype]
+            sender = sync.SyncSender(sync_mode, params, sketch=t.sketch,
+                                     train_others=t.train_others, dtype=dtype)
+            engine = sync.RolloutEngine(t.policy, params, t.rollout_shardings, mode=sync_mode,
+                                        sketch=t.sketch, train_others=t.train_others,
+                                        master_copy=config.sync.master_copy, dtype=dtype,
+                                        temperature=rl.temperature)
         writer = metrics_lib.MetricsWriter(self.workdir, total_steps=config.max_steps, start_step=step,
                                            tensorboard=config.log.tensorboard,
                                            progress=config.log.progress)
@@ -270,8 +306,14 @@ class Run:
             # 1. Rollout with the current weights.
             tic = time.perf_counter()
             examples = data.next()
-            ro = collect_rollouts(t.sampler, params, t.tokenizer, examples, rl, config.data, rng,
-                                  t.batch_sharding)
+            if sync_mode == "off":
+                ro = collect_rollouts(t.sampler, params, t.tokenizer, examples, rl, config.data,
+                                      rng, t.batch_sharding)
+            else:  # the engine's weights, on its devices; then the batch moves to the trainer
+                ro = collect_rollouts(t.sampler, engine.params, t.tokenizer, examples, rl,
+                                      config.data, rng, t.rollout_batch_sharding)
+                ro.seqs, ro.rollout_logp, ro.completed = jax.device_put(
+                    (ro.seqs, ro.rollout_logp, ro.completed), t.batch_sharding)
             times["time/rollout"] = time.perf_counter() - tic
 
             # 2. Rewards and advantages.
@@ -290,12 +332,20 @@ class Run:
             tic = time.perf_counter()
             batch = TrainBatch(seqs=ro.seqs, advantages=jax.device_put(adv, t.batch_sharding),
                                rollout_logp=ro.rollout_logp, ref_logp=ref_logp, completed=ro.completed)
-            params, opt_state, update_metrics = t.update(params, opt_state, batch)
+            # k of this update's A, read before the step donates opt_state.
+            k = int(update_index(opt_state)) if sync_mode == "factors" else None
+            params, opt_state, update_metrics, *low_rank = t.update(params, opt_state, batch)
             update_metrics = jax.device_get(update_metrics)
             times["time/update"] = time.perf_counter() - tic
 
-            # 5. Sync: the rollout engine reads the trainer's params directly (colocated, same dtype).
-            times["time/sync"] = 0.0
+            # 5. Sync the rollout engine (mode "off": it reads the trainer's params directly).
+            tic = time.perf_counter()
+            if sync_mode != "off":
+                probe = jax.tree.map(lambda x: x[:config.optimizer.probe_size], ro.seqs)
+                update_metrics.update(sync.sync_step(
+                    sender, engine, params, updates=low_rank[0] if low_rank else None,
+                    update_index=k, probe=probe))
+            times["time/sync"] = time.perf_counter() - tic
             lengths = np.asarray(ro.seqs.completion_mask).sum(axis=1)
             row = dict(update_metrics,
                        reward=float(r.mean()), reward_std=float(r.std()),
@@ -317,6 +367,7 @@ class Run:
                           {"step": step, "baseline": baseline, "data": data.state()})
         writer.close()
         self.params, self.opt_state = params, opt_state
+        self.engine = engine if sync_mode != "off" else None
         return last
 
     def close(self) -> None:
