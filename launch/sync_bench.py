@@ -1,0 +1,218 @@
+"""Bytes per policy sync, trainer → rollout engine, for each sync mode (ALGORITHM.md §8).
+
+    python -m launch.sync_bench [--configs=configs/tiny.py,configs/default.py,configs/qwen2_5_7b_gsm8k.py]
+                                [--sparse_fraction=0.01] [--measure_updates=3]
+                                [--measure_config=configs/tiny.py]
+
+Part 1, analytic (from parameter shapes only, no weights): for every config and both LoGRA variants
+the bytes one sync sends in each mode, and their ratio to the full bf16 weights. KL variant: bf16 U,
+non-targets frozen; GRPO variant: fp32 U (as ``logra(variant="grpo")`` produces it), non-targets
+trained by AdamW and therefore sent in full. ``sparse`` depends on how many bf16 entries change,
+which only a run can tell: it is shown at ``--sparse_fraction`` of the trainable entries.
+
+Part 2, measured (``--measure_updates`` > 0): ``--measure_config`` (default configs/tiny.py)
+trained for that many real updates per variant on 4 devices while 4 others roll out, every mode's message built from each update and
+applied by its own receiver: bytes sent, the fraction of bf16 entries that changed, the log-prob
+mismatch trainer ↔ sampler, the drift of a factors receiver without the master copy, and the time
+of one sync (CPU-simulated devices: only the ratios carry over to real hardware).
+"""
+
+import os
+import sys
+
+# 8 simulated CPU devices (4 train + 4 roll out) unless XLA_FLAGS already sets a count.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               " --xla_force_host_platform_device_count=8").strip()
+
+from absl import app, flags  # noqa: E402
+
+# The default job is configs/default.py where it exists; configs/base.py has the same model and rank.
+_DEFAULT_JOB = "configs/default.py" if os.path.exists("configs/default.py") else "configs/base.py"
+_CONFIGS = flags.DEFINE_list(
+    "configs", ["configs/tiny.py", _DEFAULT_JOB, "configs/qwen2_5_7b_gsm8k.py"],
+    "Config files whose model shapes and sketch rank to tabulate.")
+_SPARSE_FRACTION = flags.DEFINE_float(
+    "sparse_fraction", 0.01, "Assumed fraction of trainable bf16 entries that change per sync, for "
+    "the analytic sparse row (ALGORITHM.md §8: ~99 % of RL-step changes are below bf16 resolution).")
+_MEASURE_UPDATES = flags.DEFINE_integer(
+    "measure_updates", 3, "Real updates per variant for the measured table (0: analytic only).")
+_MEASURE_CONFIG = flags.DEFINE_string(
+    "measure_config", "configs/tiny.py", "Config of the measured run (its model, data, rank and "
+    "learning rates; the variant is set per row).")
+
+VARIANTS = {
+    # name: (optimizer overrides, rl overrides, bytes per U entry)
+    "kl": (dict(variant="kl", others="frozen", kl_control=True), dict(algorithm="reinforce"), 2),
+    "grpo": (dict(variant="grpo", others="adamw"), dict(algorithm="grpo"), 4),
+}
+MODES = ("full", "factors", "sparse")
+
+
+def _gib(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def model_config(model_cfg):
+    """The ModelConfig of a config's model, from shapes or GGUF metadata only (no weights read)."""
+    from logra_jax import model_shapes
+    from logra_jax.models import gguf_loader, pretrained
+    if model_cfg.source == "tiny" or model_shapes.is_shape_source(model_cfg.source):
+        return model_shapes.model_config_from(model_cfg)
+    if model_cfg.source.lower() in pretrained.KNOWN_MODELS:
+        import gguf
+        return gguf_loader.config_from_gguf(gguf.GGUFReader(gguf_loader.smollm2_gguf_path()))
+    raise ValueError(f"sync_bench: model.source={model_cfg.source!r} is neither 'tiny', a "
+                     f"'shape:<name>' nor a known model; its shapes are not available offline")
+
+
+def abstract_params(model_config):
+    from flax import nnx
+    from logra_jax.models import Decoder
+    abstract = nnx.eval_shape(lambda: Decoder(model_config, rngs=nnx.Rngs(0)))
+    return nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
+
+
+def analytic_table(config_paths, sparse_fraction: float) -> list[str]:
+    from logra_jax import config as config_lib
+    from logra_jax.optim import SketchSpec
+    from logra_jax.rl.sync_bytes import sync_bytes
+    lines = [f"Analytic bytes per sync (sampler bf16; sparse at {sparse_fraction:.1%} of trainable "
+             f"entries changed; ratios vs the full bf16 weights)", "",
+             "| config | model | variant | rank | bf16 weights | full | factors | sparse | "
+             "targets: U / W (≤ r/in) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for path in config_paths:
+        config = config_lib.load_config_file(path)
+        mc = model_config(config.model)
+        params = abstract_params(mc)
+        spec = SketchSpec(targets=config.optimizer.targets, rank=config.optimizer.rank)
+        model = f"{config.model.source} (L{mc.num_layers} d{mc.hidden_size})"
+        for variant, (_, _, u_bytes) in VARIANTS.items():
+            b = sync_bytes(params, spec, train_others=variant == "grpo", factor_itemsize=u_bytes,
+                           sparse_fraction=sparse_fraction)
+            cells = [f"{_gib(getattr(b, m))} ({b.ratio(m):.2%})" for m in MODES]
+            share = b.target_factors / b.target_weights
+            lines.append(f"| {path} | {model} | {variant} | {spec.rank} | {_gib(b.weights)} | "
+                         + " | ".join(cells)
+                         + f" | {share:.2%} (r/in ≤ {b.max_rank_ratio:.2%}, U {u_bytes} B) |")
+    return lines
+
+
+def measured_table(config_path: str, updates: int) -> list[str]:
+    """A config's RL loop on 4 + 4 devices: every mode's message from the same real updates."""
+    import time
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from logra_jax import config as config_lib
+    from logra_jax import sharding as sharding_lib
+    from logra_jax.optim import update_index
+    from logra_jax.rl import sync
+    from logra_jax.rl import trainer as trainer_lib
+    from logra_jax.rl.policy import Policy
+    from logra_jax.rl.sampler import Sampler
+    from logra_jax.rl.update import LossConfig, PolicyUpdate, TrainBatch
+
+    receivers = {"full": ("full", True), "sparse": ("sparse", True), "factors": ("factors", True),
+                 "factors, no master": ("factors", False)}
+    lines = [f"Measured: {config_path}, {updates} real updates per variant, trainer on 4 devices "
+             f"(fsdp 4), sampler on 4 others (fsdp 2 × tensor 2); means over the updates", "",
+             "| variant | receiver | bytes/sync | vs full | changed bf16 entries | mismatch "
+             "(mean abs log-prob) | trainable weights ≠ trainer's bf16 | sync time* |",
+             "|---|---|---|---|---|---|---|---|"]
+    train_devices, rollout_devices = sync.split_devices(4)
+    train_mesh = sharding_lib.make_mesh({"fsdp": 4, "tensor": 1}, train_devices)
+    rollout_mesh = sharding_lib.make_mesh({"fsdp": 2, "tensor": 2}, rollout_devices)
+    on_train, on_rollout = NamedSharding(train_mesh, P("fsdp")), NamedSharding(rollout_mesh, P("fsdp"))
+    for variant, (opt_over, rl_over, _) in VARIANTS.items():
+        config = config_lib.load_config_file(config_path)
+        config.optimizer.update(opt_over)
+        config.rl.update(rl_over)
+        rl = config.rl
+        model, tokenizer = trainer_lib.build_model(config.model, train_mesh)
+        policy = Policy(model)
+        params = Policy.params_of(model)
+        tx, sketch, train_others, kl_control = trainer_lib.build_optimizer(config.optimizer)
+        step = PolicyUpdate(policy, tx, LossConfig(algorithm=rl.algorithm), sketch=sketch,
+                            micro_batch_size=rl.micro_batch_size,
+                            probe_size=config.optimizer.probe_size, train_others=train_others,
+                            kl_control=kl_control, return_updates=True)
+        opt_state = jax.tree.map(lambda x: x if isinstance(x.sharding, NamedSharding)
+                                 else jax.device_put(x, NamedSharding(train_mesh, P())),
+                                 jax.jit(tx.init)(params))
+        sampler = Sampler(policy, max_prompt_length=rl.max_prompt_length,
+                          max_completion_length=rl.max_completion_length,
+                          eos_ids=[tokenizer.eos_id],
+                          pad_id=tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eos_id)
+        kw = dict(sketch=sketch, train_others=train_others)
+        # One sender per receiver: factors and sparse messages are deltas numbered per sender.
+        senders = {name: sync.SyncSender(mode, params, **kw) for name, (mode, _) in receivers.items()}
+        engines = {name: sync.RolloutEngine(policy, params, sync.rollout_shardings(model, rollout_mesh),
+                                            mode=mode, master_copy=master,
+                                            temperature=rl.temperature, **kw)
+                   for name, (mode, master) in receivers.items()}
+        data = trainer_lib.build_data(config.data, config.seed)
+        stats = {name: dict(bytes=[], full=[], mismatch=[], time=[], changed=[]) for name in receivers}
+        for i in range(updates):
+            ro = trainer_lib.collect_rollouts(sampler, engines["factors"].params, tokenizer,
+                                              data.next(), rl, config.data, jax.random.PRNGKey(i),
+                                              on_rollout)
+            rewards = trainer_lib.score(ro.texts, ro.golds, rl)
+            # Random advantages: a real update even when every reward is equal (a random tiny
+            # policy earns none); what is measured is the sync, not learning.
+            adv = np.asarray(jax.random.normal(jax.random.PRNGKey(i), rewards.shape))
+            seqs, logp, completed = jax.device_put((ro.seqs, ro.rollout_logp, ro.completed), on_train)
+            batch = TrainBatch(seqs=seqs, advantages=jax.device_put(adv, on_train), rollout_logp=logp,
+                               ref_logp=jnp.zeros_like(logp), completed=completed)
+            k = int(update_index(opt_state))
+            params, opt_state, _, low_rank = step(params, opt_state, batch)
+            probe = jax.tree.map(lambda x: x[:2], seqs)
+            for name, (mode, _) in receivers.items():
+                tic = time.perf_counter()
+                message = senders[name].message(params, updates=low_rank, update_index=k)
+                engines[name].receive(message)
+                jax.block_until_ready(engines[name].params)
+                stats[name]["time"].append(time.perf_counter() - tic)
+                stats[name]["bytes"].append(message.nbytes)
+                stats[name]["full"].append(senders[name].full_bytes)
+                stats[name]["mismatch"].append(engines[name].mismatch(params, probe))
+                if mode == "sparse":
+                    stats[name]["changed"].append(sum(message.num_changed.values()))
+        trainable_entries = senders["full"].full_bytes // 2
+        for name in receivers:
+            s = stats[name]
+            drift = sync.weight_drift(engines[name].params, params, paths=engines[name].trainable)
+            changed = (f"{np.mean(s['changed']) / trainable_entries:.2%}" if s["changed"] else "")
+            # The first sync of each receiver compiles its programs: time the later ones.
+            timed = s["time"][1:] or s["time"]
+            lines.append(f"| {variant} | {name} | {_gib(np.mean(s['bytes']))} | "
+                         f"{np.mean(s['bytes']) / np.mean(s['full']):.2%} | {changed} | "
+                         f"{np.mean(s['mismatch']):.3g} | {drift['frac_differing']:.2%} "
+                         f"(max {drift['max_abs']:.2g}) | {np.mean(timed) * 1e3:.0f} ms |")
+    lines += ["", "* mean over the syncs after the first; on CPU-simulated devices, and sparse includes "
+              "compiling the patch programs of bucket sizes not seen before."]
+    return lines
+
+
+def main(argv):
+    del argv
+    for path in _CONFIGS.value + [_MEASURE_CONFIG.value]:
+        if not os.path.exists(path):
+            sys.exit(f"error: config file {path!r} not found")
+    if not 0.0 <= _SPARSE_FRACTION.value <= 1.0:
+        sys.exit(f"error: --sparse_fraction must be in [0, 1], got {_SPARSE_FRACTION.value}")
+    print("\n".join(analytic_table(_CONFIGS.value, _SPARSE_FRACTION.value)), flush=True)
+    if _MEASURE_UPDATES.value > 0:
+        print()
+        print("\n".join(measured_table(_MEASURE_CONFIG.value, _MEASURE_UPDATES.value)))
+
+
+if __name__ == "__main__":
+    app.run(main)
