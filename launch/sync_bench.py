@@ -6,8 +6,8 @@
 
 Part 1, analytic (from parameter shapes only, no weights): for every config and both LoGRA variants
 the bytes one sync sends in each mode, and their ratio to the full bf16 weights. KL variant: bf16 U,
-non-targets frozen; GRPO variant: fp32 U (as ``logra(variant="grpo")`` produces it), non-targets
-trained by AdamW and therefore sent in full. ``sparse`` depends on how many bf16 entries change,
+non-targets frozen; GRPO variant: fp32 U (``logra(variant="grpo")``'s default) or bf16 U
+(``optimizer.factor_dtype="bfloat16"``), non-targets trained by AdamW and therefore sent in full. ``sparse`` depends on how many bf16 entries change,
 which only a run can tell: it is shown at ``--sparse_fraction`` of the trainable entries.
 
 Part 2, measured (``--measure_updates`` > 0): ``--measure_config`` (default configs/tiny.py)
@@ -46,6 +46,10 @@ VARIANTS = {
     "kl": (dict(variant="kl", others="frozen", kl_control=True), dict(algorithm="reinforce"), 2),
     "grpo": (dict(variant="grpo", others="adamw"), dict(algorithm="grpo"), 4),
 }
+# Analytic only: the GRPO variant with optimizer.factor_dtype="bfloat16" (U rounded before the merge).
+ANALYTIC_VARIANTS = dict(VARIANTS, **{"grpo, bf16 U": (dict(variant="grpo", others="adamw",
+                                                             factor_dtype="bfloat16"),
+                                                        dict(algorithm="grpo"), 2)})
 MODES = ("full", "factors", "sparse")
 
 
@@ -91,8 +95,9 @@ def analytic_table(config_paths, sparse_fraction: float) -> list[str]:
         params = abstract_params(mc)
         spec = SketchSpec(targets=config.optimizer.targets, rank=config.optimizer.rank)
         model = f"{config.model.source} (L{mc.num_layers} d{mc.hidden_size})"
-        for variant, (_, _, u_bytes) in VARIANTS.items():
-            b = sync_bytes(params, spec, train_others=variant == "grpo", factor_itemsize=u_bytes,
+        for variant, (opt, _, u_bytes) in ANALYTIC_VARIANTS.items():
+            b = sync_bytes(params, spec, train_others=opt["others"] != "frozen",
+                           factor_itemsize=u_bytes,
                            sparse_fraction=sparse_fraction)
             cells = [f"{_gib(getattr(b, m))} ({b.ratio(m):.2%})" for m in MODES]
             share = b.target_factors / b.target_weights
