@@ -10,7 +10,8 @@ fp32, per-layer remat), runs the trainer's jitted update (`PolicyUpdate`, as con
 it up, GRPO loss, same batch and sequence for both optimizers) on a random batch, and times it:
 one warm-up (compile) call each, then ``repeats`` rounds in which the two optimizers alternate
 (their order flips every round, so background load hits both alike). It prints the median
-milliseconds of each and the ratio LoGRA / AdamW.
+milliseconds of each, the ratio LoGRA / AdamW, and XLA's operation count of each compiled update
+(``cost_analysis()["flops"]``), which shared or busy machines cannot disturb.
 
 Peak memory (for an accelerator; one optimizer per process, because the high-water mark of a
 device cannot be reset):
@@ -46,7 +47,8 @@ _LAYERS = flags.DEFINE_integer("layers", 2, "Decoder layers.")
 _ROWS = flags.DEFINE_integer("rows", 4, "Sequences per update (one micro-batch).")
 _PROMPT = flags.DEFINE_integer("prompt_length", 64, "Prompt tokens per sequence.")
 _COMPLETION = flags.DEFINE_integer("completion_length", 192, "Completion tokens per sequence.")
-_REPEATS = flags.DEFINE_integer("repeats", 5, "Timed updates per optimizer (after one warm-up).")
+_REPEATS = flags.DEFINE_integer("repeats", 5, "Timed updates per optimizer (after one warm-up); "
+                                "0: only XLA's operation counts (compile, no run).")
 _RANK = flags.DEFINE_integer("rank", 256, "LoGRA rank r.")
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype.")
 
@@ -113,7 +115,7 @@ def build(config, model_config, mesh, seed: int = 0):
 
 
 def time_widths(widths, layers, rows, prompt_length, completion_length, rank, dtype, repeats):
-    """[(width, params, median ms logra, median ms adamw)] — see the module docstring."""
+    """[(width, params, {optimizer: median ms}, {optimizer: XLA flops})] — see the module docstring."""
     import jax
     from logra_jax import memory, model_shapes
 
@@ -122,12 +124,16 @@ def time_widths(widths, layers, rows, prompt_length, completion_length, rank, dt
     for width in widths:
         config = bench_config(width, layers, rows, prompt_length, completion_length, rank, dtype)
         model_config = model_shapes.model_config_from(config.model).replace(vocab_size=8192)
-        runs, times = {}, {"logra": [], "adamw": []}
+        runs, times, flops = {}, {"logra": [], "adamw": []}, {}
         for name in times:
             config.optimizer.name = name
             update, params, opt_state, batch = build(config, model_config, mesh)
-            params, opt_state, metrics = update(params, opt_state, batch)   # compile + warm-up
-            jax.block_until_ready(metrics)
+            # XLA's own operation count of the same program: a noise-free companion to the clock.
+            cost = update.jitted(params, opt_state).lower(params, opt_state, batch).compile().cost_analysis()
+            flops[name] = (cost[0] if isinstance(cost, list) else cost).get("flops", float("nan"))
+            if repeats:
+                params, opt_state, metrics = update(params, opt_state, batch)   # warm-up
+                jax.block_until_ready(metrics)
             runs[name] = [update, params, opt_state, batch]
         n_params = sum(x.size for x in jax.tree.leaves(runs["logra"][1]))
         for i in range(repeats):
@@ -138,8 +144,8 @@ def time_widths(widths, layers, rows, prompt_length, completion_length, rank, dt
                 jax.block_until_ready((params, opt_state, metrics))
                 times[name].append(1e3 * (time.perf_counter() - tic))
                 runs[name][1:3] = params, opt_state
-        results.append((width, n_params, statistics.median(times["logra"]),
-                        statistics.median(times["adamw"])))
+        results.append((width, n_params, {k: statistics.median(v) if v else float("nan")
+                                          for k, v in times.items()}, flops))
         del runs
     return results
 
@@ -188,6 +194,8 @@ def main(argv):
     if min(widths) <= _RANK.value:
         sys.exit(f"error: every width must exceed --rank {_RANK.value} (a sketch as wide as the "
                  f"weight compresses nothing), got {min(widths)}")
+    if _REPEATS.value < 0:
+        sys.exit(f"error: --repeats must be ≥ 0, got {_REPEATS.value}")
     if _ROWS.value < 2 or _ROWS.value % 2:
         sys.exit(f"error: --rows must be an even number ≥ 2 (GRPO groups of 2), got {_ROWS.value}")
     results = time_widths(widths, _LAYERS.value, _ROWS.value, _PROMPT.value, _COMPLETION.value,
@@ -195,11 +203,16 @@ def main(argv):
     import jax
     print(f"one update, {_ROWS.value} × {_PROMPT.value + _COMPLETION.value} tokens, {_LAYERS.value} layers, "
           f"rank {_RANK.value}, {_DTYPE.value}, remat, {jax.default_backend()} × {jax.device_count()}; "
-          f"median of {_REPEATS.value} interleaved runs")
-    print(f"{'width':>6} {'params':>8} {'logra ms':>9} {'adamw ms':>9} {'logra/adamw':>12}")
-    for width, n_params, logra_ms, adamw_ms in results:
-        print(f"{width:>6} {n_params / 1e6:>7.1f}M {logra_ms:>9.1f} {adamw_ms:>9.1f} "
-              f"{logra_ms / adamw_ms:>12.3f}")
+          + (f"median of {_REPEATS.value} interleaved runs" if _REPEATS.value else "XLA operation counts only"))
+    print(f"{'width':>6} {'params':>8} {'logra ms':>9} {'adamw ms':>9} {'time ratio':>11} "
+          f"{'logra GFLOP':>12} {'adamw GFLOP':>12} {'FLOP ratio':>11}")
+    for width, n_params, ms, flops in results:
+        print(f"{width:>6} {n_params / 1e6:>7.1f}M {ms['logra']:>9.1f} {ms['adamw']:>9.1f} "
+              f"{ms['logra'] / ms['adamw']:>11.3f} {flops['logra'] / 1e9:>12.1f} "
+              f"{flops['adamw'] / 1e9:>12.1f} {flops['logra'] / flops['adamw']:>11.3f}")
+    width, _, ms, flops = results[-1]
+    print(f"at width {width}: logra/adamw time ratio {ms['logra'] / ms['adamw']:.3f}, "
+          f"FLOP ratio {flops['logra'] / flops['adamw']:.3f}")
 
 
 if __name__ == "__main__":

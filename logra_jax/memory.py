@@ -397,9 +397,9 @@ def peak_breakdown(dump_dir: str | pathlib.Path, module: str = "_step_impl") -> 
 # The table
 # ----------------------------------------------------------------------------------------------
 def gib(n: int) -> str:
-    """GiB with two decimals; three significant digits below 1 GiB (tiny test models)."""
+    """GiB with two decimals; three significant digits below 0.01 GiB (tiny test models)."""
     value = n / GIB
-    return f"{value:.2f}" if value >= 0.995 or value == 0 else f"{value:.3g}"
+    return f"{value:.2f}" if value >= 0.00995 or value == 0 else f"{value:.3g}"
 
 
 def format_table(steps: list[StepMemory], loop: LoopMemory | None = None) -> str:
