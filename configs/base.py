@@ -15,7 +15,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.max_steps = 100
 
     c.model = ml_collections.ConfigDict(dict(
-        source="smollm2-135m-instruct",   # or a local HF folder, a .gguf file, or "tiny" (random)
+        source="smollm2-135m-instruct",   # or a local HF folder, a .gguf file, "tiny" (random),
+                                          # or "shape:<name>" (no weights; launch.memory only)
         dtype="float32",                  # compute dtype
         param_dtype="float32",            # master weights
         remat=False,

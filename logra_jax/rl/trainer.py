@@ -30,6 +30,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from logra_jax import checkpoint as checkpoint_lib
 from logra_jax import metrics as metrics_lib
+from logra_jax import model_shapes
+from logra_jax.memory import opt_state_shardings
 from logra_jax import sharding as sharding_lib
 from logra_jax.data import PromptIterator, format_prompt, load_gsm8k, make_task_source
 from logra_jax.models import Decoder, ModelConfig, from_pretrained
@@ -62,6 +64,10 @@ def build_mesh(axes: ml_collections.ConfigDict, devices=None):
 
 def build_model(cfg: ml_collections.ConfigDict, mesh):
     """(model, tokenizer). ``source="tiny"`` is a random small decoder with SmolLM2's tokenizer."""
+    if model_shapes.is_shape_source(cfg.source):
+        raise ValueError(f"model.source={cfg.source!r} is a model shape without weights, for "
+                         "`python -m launch.memory`; to train, set model.source to a local Hugging "
+                         "Face folder of that model")
     if cfg.source == "tiny":
         import gguf  # the tokenizer (with its chat template) comes from the SmolLM2 GGUF
         tokenizer = gguf_loader.tokenizer_from_gguf(gguf.GGUFReader(gguf_loader.smollm2_gguf_path()))
@@ -228,7 +234,10 @@ class Trainer:
         self.batch_sharding = batch_sharding(self.mesh, rows)
         self.rollout_batch_sharding = batch_sharding(self.rollout_mesh, rows)
         self._ref_logprobs = jax.jit(self._ref_logprobs_impl)
-        self._init_opt = jax.jit(self.tx.init)
+        # Optimizer state sharded like the params it belongs to (RowAdam's v like the kernel's out
+        # dim): jit(tx.init) alone puts every output on one device, since none depends on values.
+        self._init_opt = jax.jit(self.tx.init,
+                                 out_shardings=opt_state_shardings(self.tx, self.initial_params))
 
     def _ref_logprobs_impl(self, ref_params, seqs: Sequences):
         logp, _ = self.policy.completion_logprobs(ref_params, seqs, temperature=self.config.rl.temperature)
@@ -236,14 +245,7 @@ class Trainer:
 
     def init_state(self):
         params = jax.tree.map(jnp.copy, self.initial_params)
-        opt_state = self._init_opt(params)
-        # Counters and scalars come out on one device; replicate them so the whole state lives on
-        # the mesh and the update's output shardings can equal its inputs'.
-        replicated = NamedSharding(self.mesh, P())
-        opt_state = jax.tree.map(
-            lambda x: x if isinstance(x.sharding, NamedSharding) else jax.device_put(x, replicated),
-            opt_state)
-        return params, opt_state
+        return params, self._init_opt(params)
 
     def advantages(self, r: np.ndarray, baseline: float) -> tuple[np.ndarray, float]:
         rl = self.config.rl
