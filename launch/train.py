@@ -41,19 +41,7 @@ def main(argv):
         run.close()
 
 
-def check_argv(argv) -> None:
-    """Fail fast, in one line, on a missing config file or an unknown --config.* key."""
-    path = config_lib.config_path_from_argv(argv)
-    if path is None:
-        return  # absl reports the missing required flag itself
-    try:
-        config = config_lib.load_config_file(path)
-        config_lib.check_overrides(config, config_lib.override_keys(argv))
-    except (FileNotFoundError, ValueError) as e:
-        sys.exit(f"error: {e}")
-
-
 if __name__ == "__main__":
-    check_argv(sys.argv[1:])
+    config_lib.check_argv(sys.argv[1:])
     logging.set_verbosity(logging.INFO)
     app.run(main)

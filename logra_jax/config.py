@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import pathlib
+import sys
 from typing import Sequence
 
 import ml_collections
@@ -59,3 +60,17 @@ def config_path_from_argv(argv: Sequence[str]) -> str | None:
         if arg == "--config" and i + 1 < len(argv):
             return argv[i + 1]
     return None
+
+
+def check_argv(argv: Sequence[str]) -> None:
+    """Exits with one line on a missing config file or an unknown ``--config.*`` key.
+
+    Launch scripts call it before absl parses flags (absl would print a traceback instead).
+    """
+    path = config_path_from_argv(argv)
+    if path is None:
+        return  # absl reports the missing required flag itself
+    try:
+        check_overrides(load_config_file(path), override_keys(argv))
+    except (FileNotFoundError, ValueError) as e:
+        sys.exit(f"error: {e}")

@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 
 from configs import tiny
-from launch import train as launch_train
-from logra_jax import metrics
+from logra_jax import config as config_lib, metrics
 from logra_jax.optim.targets import leaves_with_paths
 from logra_jax.rl import trainer as trainer_lib
 from logra_jax.rl.update import TrainBatch
@@ -152,5 +151,5 @@ def test_bad_input_is_one_clear_error(overrides, message, tmp_path):
 
 def test_unknown_override_key_exits_with_its_name():
     with pytest.raises(SystemExit) as e:
-        launch_train.check_argv(["--config=configs/tiny.py", "--config.optimizer.rnak=4"])
+        config_lib.check_argv(["--config=configs/tiny.py", "--config.optimizer.rnak=4"])
     assert "unknown config key 'optimizer.rnak'" in str(e.value)
