@@ -31,13 +31,12 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from logra_jax import checkpoint as checkpoint_lib
 from logra_jax import metrics as metrics_lib
 from logra_jax import model_shapes
-from logra_jax.memory import opt_state_shardings
 from logra_jax import sharding as sharding_lib
+from logra_jax.memory import opt_state_shardings
 from logra_jax.data import PromptIterator, format_prompt, load_gsm8k, make_task_source
 from logra_jax.models import Decoder, ModelConfig, from_pretrained
 from logra_jax.models import gguf_loader
-from logra_jax.optim import SketchSpec, logra, logra_metrics, warmup_constant
-from logra_jax.optim import update_index
+from logra_jax.optim import SketchSpec, logra, logra_metrics, update_index, warmup_constant
 from logra_jax.rl import losses, rewards, sync
 from logra_jax.rl.policy import Policy, Sequences
 from logra_jax.rl.sampler import Sampler, pad_prompts
