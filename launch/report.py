@@ -1,0 +1,173 @@
+"""Plots of training runs and memory reports, as PNGs.
+
+    python -m launch.report --out runs/report \
+        --run logra=runs/default --run adamw=runs/adamw \
+        [--memory qwen2_5_7b=mem7b.json ...]
+
+Writes into ``--out``:
+  reward.png        reward per step of every run (and its running mean over --window steps)
+  kl.png            predicted vs realized KL(π_old ‖ π_new) per step, for runs that log both
+  memory.png        per-device bytes by kind (params, optimizer state, gradients, other
+                    temporaries) for each optimizer of each `launch.memory --json` file
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only; no display
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+from absl import app, flags  # noqa: E402
+
+from logra_jax.metrics import read_jsonl  # noqa: E402
+
+_OUT = flags.DEFINE_string("out", None, "Folder for the PNGs.")
+_RUNS = flags.DEFINE_multi_string("run", [], "label=workdir of a training run (metrics.jsonl).")
+_MEMORY = flags.DEFINE_multi_string("memory", [], "label=file written by launch.memory --json.")
+_WINDOW = flags.DEFINE_integer("window", 4, "Steps in the running mean of the reward.")
+flags.mark_flag_as_required("out")
+
+GIB = 2.0 ** 30
+
+
+def parse_labelled(values: list[str], what: str) -> dict[str, pathlib.Path]:
+    """'label=path' pairs; a missing '=' or a missing path is an error naming it."""
+    out = {}
+    for value in values:
+        label, sep, path = value.partition("=")
+        if not sep or not label or not path:
+            raise ValueError(f"--{what} expects label=path, got {value!r}")
+        out[label] = pathlib.Path(path)
+    return out
+
+
+def load_run(workdir: pathlib.Path) -> list[dict]:
+    path = workdir / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist (is {workdir} a launch.train workdir?)")
+    rows = read_jsonl(path)
+    if not rows:
+        raise ValueError(f"{path} holds no steps")
+    return rows
+
+
+def running_mean(values: np.ndarray, window: int) -> np.ndarray:
+    """Mean of the last ``window`` values at each step (fewer at the start)."""
+    csum = np.cumsum(np.insert(values, 0, 0.0))
+    idx = np.arange(1, len(values) + 1)
+    lo = np.maximum(idx - window, 0)
+    return (csum[idx] - csum[lo]) / (idx - lo)
+
+
+def plot_rewards(runs: dict[str, list[dict]], window: int, path: pathlib.Path) -> None:
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, rows in runs.items():
+        steps = np.array([r["step"] for r in rows])
+        reward = np.array([r["reward"] for r in rows], float)
+        line, = ax.plot(steps, reward, alpha=0.35, lw=1)
+        ax.plot(steps, running_mean(reward, window), color=line.get_color(), lw=2,
+                label=f"{label} ({window}-step mean)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("reward (fraction correct)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_kl(runs: dict[str, list[dict]], path: pathlib.Path) -> bool:
+    """Predicted vs realized KL; False (no file) when no run logs both."""
+    with_kl = {label: rows for label, rows in runs.items()
+               if all("logra/predicted_kl" in r and "logra/realized_kl" in r for r in rows)}
+    if not with_kl:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, rows in with_kl.items():
+        steps = [r["step"] for r in rows]
+        line, = ax.plot(steps, [r["logra/predicted_kl"] for r in rows], "o-", ms=3,
+                        label=f"{label}: predicted (α²·candidate)")
+        ax.plot(steps, [r["logra/realized_kl"] for r in rows], "s--", ms=3, color=line.get_color(),
+                alpha=0.7, label=f"{label}: realized on the probe")
+        if "logra/effective_budget" in rows[0]:
+            ax.plot(steps, [r["logra/effective_budget"] for r in rows], ":", color="gray",
+                    label=f"{label}: budget")
+    ax.set_xlabel("step")
+    ax.set_ylabel("KL(π_old ‖ π_new) per token")
+    ax.set_yscale("symlog", linthresh=1e-4)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+MEMORY_PARTS = (("params", "params"), ("opt_state", "optimizer state"),
+                ("gradients", "gradients / sketches"), ("other", "other temporaries"))
+
+
+def memory_bars(reports: dict[str, dict]) -> list[tuple[str, dict[str, float]]]:
+    """(label, {part: GiB}) per optimizer of each report; parts add up to XLA's peak."""
+    bars = []
+    for label, report in reports.items():
+        for step in report["steps"]:
+            parts = {"params": step["params"], "opt_state": step["opt_state"],
+                     "gradients": step["gradients"]}
+            parts["other"] = step["peak"] - sum(parts.values())
+            bars.append((f"{label}\n{step['optimizer']}", {k: v / GIB for k, v in parts.items()}))
+    return bars
+
+
+def plot_memory(reports: dict[str, dict], path: pathlib.Path) -> None:
+    bars = memory_bars(reports)
+    fig, ax = plt.subplots(figsize=(1.4 * len(bars) + 2, 4))
+    bottom = np.zeros(len(bars))
+    for key, name in MEMORY_PARTS:
+        values = np.array([parts[key] for _, parts in bars])
+        ax.bar(range(len(bars)), values, bottom=bottom, label=name)
+        bottom += values
+    for i, total in enumerate(bottom):
+        ax.text(i, total, f"{total:.1f}", ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(range(len(bars)), [label for label, _ in bars], fontsize=8)
+    ax.set_ylabel("GiB per training device (update peak)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv) -> None:
+    del argv
+    out = pathlib.Path(_OUT.value)
+    try:
+        runs = {label: load_run(path) for label, path in parse_labelled(_RUNS.value, "run").items()}
+        memory_files = parse_labelled(_MEMORY.value, "memory")
+        missing = [str(p) for p in memory_files.values() if not p.is_file()]
+        if missing:
+            raise FileNotFoundError(f"memory report(s) not found: {', '.join(missing)}")
+        reports = {label: json.loads(path.read_text()) for label, path in memory_files.items()}
+        if not runs and not reports:
+            raise ValueError("nothing to plot: give at least one --run or --memory")
+    except (ValueError, FileNotFoundError) as e:
+        sys.exit(f"error: {e}")
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    if runs:
+        plot_rewards(runs, _WINDOW.value, out / "reward.png")
+        written.append("reward.png")
+        if plot_kl(runs, out / "kl.png"):
+            written.append("kl.png")
+    if reports:
+        plot_memory(reports, out / "memory.png")
+        written.append("memory.png")
+    print(f"wrote {', '.join(written)} to {out}")
+
+
+if __name__ == "__main__":
+    app.run(main)
