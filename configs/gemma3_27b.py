@@ -7,8 +7,6 @@ fp32 master weights, bf16 compute, per-layer remat, 1 sequence of 512 + 1536 tok
 per micro-step. See logra_jax/model_shapes.py for what the shape approximates.
 """
 
-import ml_collections
-
 from configs import base
 
 
@@ -20,8 +18,6 @@ def get_config():
     c.model.remat = True
     c.mesh.fsdp = 8
     c.mesh.tensor = 1
-    if "sync" not in c:
-        c.sync = ml_collections.ConfigDict()
     c.sync.rollout_devices = 0         # colocated: sampler and KV cache live on the training devices
 
     c.data.source = "gsm8k"

@@ -5,8 +5,6 @@ per micro-step, bf16 compute over fp32 master weights, per-layer remat. ``shape:
 weights: launch.memory plans with it and launch.step_time runs it with random weights.
 """
 
-import ml_collections
-
 from configs import base
 
 
@@ -18,8 +16,6 @@ def get_config():
     c.model.remat = True
     c.mesh.fsdp = -1
     c.mesh.tensor = 1
-    if "sync" not in c:
-        c.sync = ml_collections.ConfigDict()
     c.sync.rollout_devices = 0
 
     c.data.prompts_per_step = 4

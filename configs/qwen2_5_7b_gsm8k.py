@@ -11,8 +11,6 @@ micro-batches of 1 sequence per training device.
 folder of Qwen2.5-(Math-)7B(-Instruct).
 """
 
-import ml_collections
-
 from configs import base
 
 
@@ -25,8 +23,6 @@ def get_config():
     c.model.remat = True
     c.mesh.fsdp = 4                    # the 4 training devices
     c.mesh.tensor = 1
-    if "sync" not in c:                # the rollout engine's 4 devices (see logra_jax/rl/sync.py)
-        c.sync = ml_collections.ConfigDict()
     c.sync.rollout_devices = 4
 
     c.data.source = "gsm8k"

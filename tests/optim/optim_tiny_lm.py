@@ -88,3 +88,12 @@ def abstract_build(vocab, d, f, num_layers, remat=True):
     def logits_fn(params, tokens, probes=None):
         return nnx.merge(graphdef, params)(tokens, probes)
     return params, logits_fn
+
+
+def next_token_loss(logits_fn):
+    """Mean next-token cross-entropy of ``logits_fn(params, tokens, probes)`` (fp32 softmax)."""
+    def loss(params, tokens, probes=None):
+        logits = logits_fn(params, tokens[:, :-1], probes)
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32))
+        return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
+    return loss

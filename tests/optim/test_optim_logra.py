@@ -18,21 +18,13 @@ from logra_jax.optim import (LOGRA_STATIC_ARGS, LowRankUpdate, RowAdamState, Ske
                              make_probes, merge_targets, probe_factors, projection, split_targets,
                              update_index, with_factors)
 from logra_jax.optim.targets import leaves_with_paths, map_with_paths
-from optim_tiny_lm import TinyLM, build
+from optim_tiny_lm import TinyLM, build, next_token_loss
 
 RANK = 4
 SKETCH = dict(rank=RANK, seed=5)
 SPEC = SketchSpec(**SKETCH)
 TARGET_PATHS = {"gate_proj/kernel", "layers/q_proj/kernel", "layers/up_proj/kernel",
                 "layers/down_proj/kernel"}
-
-
-def _loss(logits_fn):
-    def loss(params, tokens, probes=None):
-        logits = logits_fn(params, tokens[:, :-1], probes)
-        logp = jax.nn.log_softmax(logits.astype(jnp.float32))
-        return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
-    return loss
 
 
 def sketched_grads(loss, params, tokens, k, spec=SPEC):
@@ -49,7 +41,7 @@ def sketched_grads(loss, params, tokens, k, spec=SPEC):
 @pytest.fixture(scope="module")
 def tiny():
     _, params, logits_fn = build(vocab=32, d=8, f=16, num_layers=2, seed=0)
-    loss = _loss(logits_fn)
+    loss = next_token_loss(logits_fn)
     tokens = jax.random.randint(jax.random.PRNGKey(0), (4, 2, 9), 0, 32)   # 4 batches
     grad_fn = jax.jit(lambda p, t, k: sketched_grads(loss, p, t, k))
     return dict(params=params, logits_fn=logits_fn, loss=loss, tokens=tokens, grad_fn=grad_fn)

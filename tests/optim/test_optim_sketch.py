@@ -10,18 +10,10 @@ from logra_jax.models.linear import Linear
 from logra_jax.optim import (SketchSpec, make_probes, merge_targets, probe_factors, projection,
                              split_targets, with_factors)
 from logra_jax.optim.low_rank import sketch_dense
-from optim_tiny_lm import abstract_build, build
+from optim_tiny_lm import abstract_build, build, next_token_loss
 
 RANK = 4
 SPEC = SketchSpec(rank=RANK, seed=7)
-
-
-def _next_token_loss(logits_fn):
-    def loss(params, tokens, probes=None):
-        logits = logits_fn(params, tokens[:, :-1], probes)
-        logp = jax.nn.log_softmax(logits.astype(jnp.float32))
-        return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
-    return loss
 
 
 def _probe_grad_fn(loss):
@@ -36,7 +28,7 @@ def _probe_grad_fn(loss):
 @pytest.fixture(scope="module")
 def tiny():
     _, params, logits_fn = build(vocab=40, d=12, f=20, num_layers=3, seed=1)
-    return params, _next_token_loss(logits_fn)
+    return params, next_token_loss(logits_fn)
 
 
 def _expected_sketch(dense_kernel_grad, keys, rank):
@@ -135,7 +127,7 @@ def test_no_dense_target_gradient_in_the_jaxpr(tiny):
 
 def test_backward_memory_is_smaller_than_dense_at_width_1024():
     params, logits_fn = abstract_build(vocab=64, d=1024, f=2048, num_layers=2)
-    loss = _next_token_loss(logits_fn)
+    loss = next_token_loss(logits_fn)
     spec = SketchSpec(rank=16)
     probes = make_probes(params, 0, spec)
     target_kernels, others = split_targets(params, spec)
