@@ -167,6 +167,44 @@ def test_probe_gradient_is_the_per_layer_sketch(model, tokens):
         np.testing.assert_allclose(sketch[l], dense[l].T @ a.T, rtol=1e-4, atol=1e-5)
 
 
+def test_zero_factor_probes_match_the_general_probe_branch_and_cost_less(model, tokens):
+    """Probes that promise B = 0 (as make_probes builds them) skip the zero branch exactly.
+
+    Same logits, same sketches ∂L/∂B, same gradient of a non-target weight (through ∂L/∂x), and
+    the same forward-mode change of the logits in a direction dB = U (the predicted-KL JVP) as the
+    general branch x·kernel + (x·Aᵀ)·Bᵀ — with fewer operations in the compiled gradient.
+    """
+    graphdef, embed, rest = nnx.split(model, nnx.PathContains("embed_tokens"), ...)
+    general = _probes(model, 4, 0.0)
+    fast = {path: dataclasses.replace(p, factor_is_zero=True) for path, p in general.items()}
+    factors = {path: p.factor for path, p in general.items()}
+
+    def logits(embed, factors, probes):
+        probes = {path: dataclasses.replace(p, factor=factors[path]) for path, p in probes.items()}
+        return nnx.merge(graphdef, embed, rest)(tokens, probes=probes)
+
+    def loss(embed, factors, probes):
+        return jnp.sum(jnp.sin(logits(embed, factors, probes)))
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
+    ref, got = grad(embed, factors, general), grad(embed, factors, fast)
+    for r, g in zip(jax.tree.leaves(ref), jax.tree.leaves(got)):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
+    assert all(float(jnp.max(jnp.abs(s))) > 0 for s in got[1].values())
+
+    direction = {path: jax.random.normal(jax.random.PRNGKey(i), f.shape) for i, (path, f) in
+                 enumerate(factors.items())}
+    jvp = jax.jit(lambda d, probes: jax.jvp(lambda f: logits(embed, f, probes), (factors,), (d,)))
+    (ref_y, ref_dy), (y, dy) = jvp(direction, general), jvp(direction, fast)
+    np.testing.assert_allclose(y, ref_y, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(dy, ref_dy, rtol=1e-5, atol=1e-5)
+    assert float(jnp.max(jnp.abs(dy))) > 1e-3
+
+    def flops(probes):
+        return grad.lower(embed, factors, probes).compile().cost_analysis()["flops"]
+    assert flops(fast) < flops(general)
+
+
 def test_probe_validation(model, tokens):
     L = CONFIG.num_layers
     keys = np.zeros((L, 2), np.uint32)

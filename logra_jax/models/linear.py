@@ -10,6 +10,9 @@ gradient is never formed because LoGRA's loss differentiates (non-target params,
 over the target kernels — not because of a stop_gradient here: one would make the layer scan save
 a second copy of every stacked kernel as a backward residual when remat is off (measured: 80.7 vs
 26.2 MiB at width 1024 with and without it). Backward keeps X·Aᵀ (tokens × r), not X (tokens × in).
+
+When the probe promises B = 0 (``factor_is_zero``, every probe ``make_probes`` builds) the layer
+goes through ``sketched_matmul``, which drops what is zero at B = 0 and keeps B's derivative.
 """
 
 from __future__ import annotations
@@ -17,8 +20,45 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.custom_derivatives import SymbolicZero
 
 from logra_jax.optim.projections import SketchProbe
+
+
+@jax.custom_jvp
+def sketched_matmul(x: jax.Array, kernel: jax.Array, a: jax.Array, factor: jax.Array) -> jax.Array:
+    """x·kernel + (x·Aᵀ)·Bᵀ at B = ``factor`` = 0, without computing what is zero there.
+
+    At B = 0 the value is x·kernel, and of the branch's derivative only the B term survives:
+
+        dy = dx·kernel + x·dkernel + (x·Aᵀ)·dBᵀ        [(dx·Aᵀ)·Bᵀ = 0, (x·dAᵀ)·Bᵀ = 0]
+
+    Reverse mode transposes this: ∂L/∂B = Hᵀ(x·Aᵀ) (the sketch), ∂L/∂x = H·kernelᵀ. The general
+    form would also run (x·Aᵀ)·Bᵀ in the forward (twice with remat) and (H·B)·A in the backward,
+    all multiplications by zero. Forward mode (the predicted-KL JVP in direction dB = U) gets the
+    exact first-order change of the logits under ΔW = U·A. Terms of inputs that are not being
+    differentiated (the closed-over kernel, A) arrive as symbolic zeros and cost nothing.
+    """
+    del a, factor  # B = 0: the branch adds nothing to the value.
+    return x @ kernel
+
+
+def _sketched_matmul_jvp(primals, tangents):
+    x, kernel, a, factor = primals
+    dx, dkernel, _, dfactor = tangents  # dA only meets B = 0
+    y = x @ kernel
+    terms = []
+    if not isinstance(dx, SymbolicZero):
+        terms.append(dx @ kernel)
+    if not isinstance(dkernel, SymbolicZero):
+        terms.append(x @ dkernel)
+    if not isinstance(dfactor, SymbolicZero):
+        terms.append((x @ a.T) @ dfactor.T)
+    dy = sum(terms[1:], terms[0]) if terms else jnp.zeros_like(y)
+    return y, dy
+
+
+sketched_matmul.defjvp(_sketched_matmul_jvp, symbolic_zeros=True)
 
 
 class Linear(nnx.Module):
@@ -42,7 +82,11 @@ class Linear(nnx.Module):
             y = x @ kernel
         else:
             a = probe.projection(self.in_features, self.dtype)           # (r, in)
-            y = x @ kernel + (x @ a.T) @ probe.factor.astype(self.dtype).T
+            factor = probe.factor.astype(self.dtype)                      # (out, r)
+            if probe.factor_is_zero:
+                y = sketched_matmul(x, kernel, a, factor)
+            else:
+                y = x @ kernel + (x @ a.T) @ factor.T
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
         return y

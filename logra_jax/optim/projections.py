@@ -67,11 +67,17 @@ class SketchProbe:
     ``factor`` is the zero probe parameter B (out × r) — its gradient is S = G·Aᵀ — and ``key``
     regenerates A (r × in). For a stacked weight both carry the stack's leading dims, and a
     ``jax.lax.scan`` over layers slices them like any other per-layer input.
+
+    ``factor_is_zero`` is a static promise that B's *value* is 0 (``make_probes`` makes it; a probe
+    keeps it through ``with_factors``, which only swaps in traced copies of those zeros). It lets
+    the linear layer skip the branch (x·Aᵀ)·Bᵀ, whose value and x-gradient are then zero, and keep
+    only its derivative in B. Without the promise the layer computes the branch as written.
     """
 
     key: jax.Array
     factor: jax.Array
     distribution: str = dataclasses.field(default="rademacher", metadata=dict(static=True))
+    factor_is_zero: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     @property
     def rank(self) -> int:

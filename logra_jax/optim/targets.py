@@ -208,7 +208,7 @@ def make_probes(params, update_index: jax.Array | int, spec: SketchSpec,
         factor = jnp.zeros(info.sketch_shape, dtype,
                            device=sharding_without_in_dim(kernels[path], keep_last=True))
         probes[path] = SketchProbe(key=spec.keys(info, k), factor=factor,
-                                   distribution=spec.distribution)
+                                   distribution=spec.distribution, factor_is_zero=True)
     return probes
 
 
@@ -218,7 +218,12 @@ def probe_factors(probes: dict[str, SketchProbe]) -> dict[str, jax.Array]:
 
 
 def with_factors(probes: dict[str, SketchProbe], factors: dict[str, jax.Array]) -> dict[str, SketchProbe]:
-    """The probes with their factors replaced, e.g. by the traced ones inside a loss."""
+    """The probes with their factors replaced by the traced ones inside a loss or a JVP.
+
+    The factors must be the probes' own values (zeros from ``make_probes``), only traced: a probe
+    made by ``make_probes`` promises B = 0 (``SketchProbe.factor_is_zero``) and the linear layer
+    relies on it.
+    """
     missing = set(probes) ^ set(factors)
     if missing:
         raise ValueError(f"probes and factors disagree on targets: {sorted(missing)}")
