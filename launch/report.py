@@ -24,6 +24,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
+from logra_jax import config as config_lib  # noqa: E402
 from logra_jax.metrics import read_jsonl  # noqa: E402
 
 _OUT = flags.DEFINE_string("out", None, "Folder for the PNGs.")
@@ -33,17 +34,6 @@ _WINDOW = flags.DEFINE_integer("window", 4, "Steps in the running mean of the re
 flags.mark_flag_as_required("out")
 
 GIB = 2.0 ** 30
-
-
-def parse_labelled(values: list[str], what: str) -> dict[str, pathlib.Path]:
-    """'label=path' pairs; a missing '=' or a missing path is an error naming it."""
-    out = {}
-    for value in values:
-        label, sep, path = value.partition("=")
-        if not sep or not label or not path:
-            raise ValueError(f"--{what} expects label=path, got {value!r}")
-        out[label] = pathlib.Path(path)
-    return out
 
 
 def load_run(workdir: pathlib.Path) -> list[dict]:
@@ -146,8 +136,9 @@ def main(argv) -> None:
     del argv
     out = pathlib.Path(_OUT.value)
     try:
-        runs = {label: load_run(path) for label, path in parse_labelled(_RUNS.value, "run").items()}
-        memory_files = parse_labelled(_MEMORY.value, "memory")
+        run_dirs = config_lib.parse_labelled(_RUNS.value, "run")
+        runs = {label: load_run(path) for label, path in run_dirs.items()}
+        memory_files = config_lib.parse_labelled(_MEMORY.value, "memory")
         missing = [str(p) for p in memory_files.values() if not p.is_file()]
         if missing:
             raise FileNotFoundError(f"memory report(s) not found: {', '.join(missing)}")

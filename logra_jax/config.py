@@ -74,3 +74,14 @@ def check_argv(argv: Sequence[str]) -> None:
         check_overrides(load_config_file(path), override_keys(argv))
     except (FileNotFoundError, ValueError) as e:
         sys.exit(f"error: {e}")
+
+
+def parse_labelled(values: Sequence[str], what: str) -> dict[str, pathlib.Path]:
+    """'label=path' flag values (``--run logra=runs/a``); a missing '=' or path names the value."""
+    out = {}
+    for value in values:
+        label, sep, path = value.partition("=")
+        if not sep or not label or not path:
+            raise ValueError(f"--{what} expects label=path, got {value!r}")
+        out[label] = pathlib.Path(path)
+    return out

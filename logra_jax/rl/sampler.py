@@ -41,6 +41,13 @@ class SampleOutput:
     finished: jax.Array           # [b] bool: the row emitted EOS
 
 
+def decode_completions(tokenizer, tokens: np.ndarray, mask: np.ndarray, eos_ids) -> list[str]:
+    """The text of each completion row: its valid tokens, EOS dropped."""
+    eos = set(int(e) for e in eos_ids)
+    return [tokenizer.decode([int(t) for t, v in zip(row, m) if v and int(t) not in eos])
+            for row, m in zip(tokens, mask)]
+
+
 def left_align(tokens: np.ndarray | jax.Array, mask: np.ndarray | jax.Array, pad_id: int):
     """Moves each row's real tokens to the right end ([pad … pad, t0 … tn]).
 
@@ -130,10 +137,7 @@ class Sampler:
         tokens, mask = pad_prompts([tokenizer.encode(p) for p in prompts], self.max_prompt_length,
                                    self.pad_id)
         out = self.generate(params, tokens, mask, rng, **kwargs)
-        toks, valid = np.asarray(out.tokens), np.asarray(out.mask)
-        eos = set(self.eos_ids)
-        return [tokenizer.decode([int(t) for t, v in zip(row, m) if v and int(t) not in eos])
-                for row, m in zip(toks, valid)]
+        return decode_completions(tokenizer, np.asarray(out.tokens), np.asarray(out.mask), self.eos_ids)
 
     def _generate_impl(self, params, prompt_tokens, prompt_mask, rng, temperature, *,
                        top_k: int, top_p: float, greedy: bool) -> SampleOutput:

@@ -39,7 +39,7 @@ from logra_jax.models import gguf_loader
 from logra_jax.optim import SketchSpec, logra, logra_metrics, update_index, warmup_constant
 from logra_jax.rl import losses, rewards, sync
 from logra_jax.rl.policy import Policy, Sequences
-from logra_jax.rl.sampler import Sampler, pad_prompts
+from logra_jax.rl.sampler import Sampler, decode_completions, pad_prompts
 from logra_jax.rl.update import LossConfig, PolicyUpdate, TrainBatch
 
 
@@ -127,12 +127,6 @@ class Rollouts:
     completed: jax.Array
     texts: list[str]
     golds: list[str]
-
-
-def decode_completions(tokenizer, tokens: np.ndarray, mask: np.ndarray, eos_ids) -> list[str]:
-    eos = set(int(e) for e in eos_ids)
-    return [tokenizer.decode([int(t) for t, v in zip(row, m) if v and int(t) not in eos])
-            for row, m in zip(tokens, mask)]
 
 
 def collect_rollouts(sampler: Sampler, params, tokenizer, examples, rl_cfg, data_cfg, rng,
