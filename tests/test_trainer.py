@@ -64,7 +64,7 @@ def _synthetic_batch(trainer, seed=0):
     """Real rollouts of the tiny policy with random advantages (its rewards are all zero)."""
     config = trainer.config
     data = trainer_lib.build_data(config.data, config.seed)
-    ro = trainer_lib.collect_rollouts(trainer.sampler, trainer.initial_params, trainer.tokenizer,
+    ro = trainer_lib.collect_rollouts(trainer.sampler, trainer.init_state()[0], trainer.tokenizer,
                                       data.next(), config.rl, config.data, jax.random.PRNGKey(seed),
                                       trainer.batch_sharding)
     adv = jax.random.normal(jax.random.PRNGKey(seed + 1), ro.completed.shape)
@@ -114,6 +114,19 @@ def test_resume_is_bit_identical(trainers, tmp_path):
     assert jax.tree.all(jax.tree.map(lambda x, y: np.array_equal(x, y),
                                      jax.device_get(straight.opt_state),
                                      jax.device_get(resumed.opt_state)))
+
+
+def test_reference_is_kept_only_for_a_kl_penalty_and_in_the_compute_dtype(trainers):
+    """beta = 0: no reference on the devices. beta > 0 at bf16 compute: a bf16 reference (half the
+    bytes of the fp32 master weights) whose log-probs equal the initial policy's exactly."""
+    assert trainers["adamw"].config.rl.beta == 0 and trainers["adamw"].reference_params is None
+    t = trainer_lib.Trainer(make_config("adamw", model=dict(dtype="bfloat16"), rl=dict(beta=0.05)))
+    params, _ = t.init_state()
+    assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(jnp.float32)}
+    assert {x.dtype for x in jax.tree.leaves(t.reference_params)} == {jnp.dtype(jnp.bfloat16)}
+    seqs = _synthetic_batch(t).seqs
+    np.testing.assert_array_equal(t._ref_logprobs(t.reference_params, seqs),
+                                  t._ref_logprobs(params, seqs))
 
 
 def test_disjoint_rollout_devices_with_factor_sync(tmp_path):

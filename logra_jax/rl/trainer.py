@@ -206,8 +206,20 @@ class Trainer:
         model, self.tokenizer = build_model(config.model, self.mesh)
         self.policy = Policy(model)
         self.rollout_shardings = sync.rollout_shardings(model, self.rollout_mesh)
-        self.initial_params = Policy.params_of(model)
+        params = Policy.params_of(model)
         del model
+        # The devices hold one copy of the weights during training: the policy's. The initial
+        # weights (the start of every Run of this Trainer) wait on the host, and the frozen
+        # reference is kept only when the loss uses it (beta > 0), in the compute dtype: every
+        # layer casts its weights to that dtype anyway, so its log-probs are unchanged (fp32
+        # master weights would cost 4 instead of 2 bytes per parameter at bf16 compute).
+        self.param_shardings = jax.tree.map(lambda x: x.sharding, params)
+        self.initial_params = jax.device_get(params)
+        compute = jnp.dtype(config.model.dtype)
+        self.reference_params = (
+            jax.jit(lambda p: jax.tree.map(lambda x: x.astype(compute) if jnp.issubdtype(
+                x.dtype, jnp.floating) else x, p), out_shardings=self.param_shardings)(params)
+            if config.rl.beta > 0 else None)
         self.tx, self.sketch, self.train_others, kl_control = build_optimizer(config.optimizer)
         rl = config.rl
         self.update = PolicyUpdate(
@@ -229,15 +241,16 @@ class Trainer:
         self._ref_logprobs = jax.jit(self._ref_logprobs_impl)
         # Optimizer state sharded like the params it belongs to (RowAdam's v like the kernel's out
         # dim): jit(tx.init) alone puts every output on one device, since none depends on values.
-        self._init_opt = jax.jit(self.tx.init,
-                                 out_shardings=opt_state_shardings(self.tx, self.initial_params))
+        self._init_opt = jax.jit(self.tx.init, out_shardings=opt_state_shardings(self.tx, params))
+        del params
 
     def _ref_logprobs_impl(self, ref_params, seqs: Sequences):
         logp, _ = self.policy.completion_logprobs(ref_params, seqs, temperature=self.config.rl.temperature)
         return logp
 
     def init_state(self):
-        params = jax.tree.map(jnp.copy, self.initial_params)
+        """(params, opt_state) at the initial weights, on the training devices."""
+        params = jax.device_put(self.initial_params, self.param_shardings)
         return params, self._init_opt(params)
 
     def advantages(self, r: np.ndarray, baseline: float) -> tuple[np.ndarray, float]:
@@ -276,7 +289,7 @@ class Run:
             step, baseline = meta["step"], meta["baseline"]
             data.restore(meta["data"])
             logging.info("resumed from %s at step %d", ckpt.directory, step)
-        ref_params = t.initial_params if rl.beta > 0 else None
+        ref_params = t.reference_params
         # The rollout engine starts from the (restored) trainer weights; factors/sparse messages
         # are deltas from there, so a resume only needs a fresh sender and engine.
         sync_mode = config.sync.mode
