@@ -2,7 +2,7 @@
 
 Step time (CPU by default, any backend):
 
-    python -m launch.step_time [--widths 512,1024,2048] [--layers 2] [--rows 4] \
+    python -m launch.step_time [--widths 512,1024,2048] [--layers 2] [--rows 8] \
         [--prompt_length 64] [--completion_length 192] [--repeats 5] [--rank 256]
 
 builds, per width d, a decoder with d-wide layers (head_dim 64, GQA 2:1, MLP 3d, vocabulary 8192,
@@ -12,6 +12,12 @@ one warm-up (compile) call each, then ``repeats`` rounds in which the two optimi
 (their order flips every round, so background load hits both alike). It prints the median
 milliseconds of each, the ratio LoGRA / AdamW, and XLA's operation count of each compiled update
 (``cost_analysis()["flops"]``), which shared or busy machines cannot disturb.
+
+The default update holds 8 × 256 = 2048 tokens: what one device trains on per micro-step in
+configs/qwen2_5_7b_gsm8k.py. LoGRA's fixed cost per update (merging ΔW = −η·D·A: 2·r·in·out
+operations per target, what a dense weight gradient of r tokens costs) is shared by every token of
+the update, so fewer tokens favour AdamW, and an RL update of many micro-batches favours LoGRA more
+than this single micro-batch does.
 
 Peak memory (for an accelerator; one optimizer per process, because the high-water mark of a
 device cannot be reset):
@@ -44,7 +50,7 @@ _PEAK = flags.DEFINE_bool("peak_memory", False, "Measure one update's peak devic
 _OPTIMIZER = flags.DEFINE_enum("optimizer", "logra", ["logra", "adamw"], "For --peak_memory.")
 _WIDTHS = flags.DEFINE_list("widths", ["512", "1024", "2048"], "Model widths d to time.")
 _LAYERS = flags.DEFINE_integer("layers", 2, "Decoder layers.")
-_ROWS = flags.DEFINE_integer("rows", 4, "Sequences per update (one micro-batch).")
+_ROWS = flags.DEFINE_integer("rows", 8, "Sequences per update (one micro-batch).")
 _PROMPT = flags.DEFINE_integer("prompt_length", 64, "Prompt tokens per sequence.")
 _COMPLETION = flags.DEFINE_integer("completion_length", 192, "Completion tokens per sequence.")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed updates per optimizer (after one warm-up); "
