@@ -1,4 +1,4 @@
-"""Device meshes and logical-axis sharding rules for the model's parameters.
+"""Device meshes, logical-axis sharding rules for the model's parameters, and batch-sharded activations.
 
 Every parameter carries the names of its dimensions ("logical axes", e.g. ``("layers", "embed", "mlp")``)
 as Variable metadata under the key ``logical_axes``. A rule table maps each logical name to a mesh axis
@@ -12,6 +12,11 @@ outside a mesh context and needs mesh axis names at model-construction time. A p
 inert: models are built unsharded, anywhere, and placed later with :func:`shard_model`. Flax copies
 Variable metadata into derived variables (``nnx.vmap`` outputs, ``nnx.Optimizer`` state), so state
 shaped like a parameter inherits its logical axes.
+
+Activations are split by batch over ``fsdp`` (:func:`shard_batch`): FSDP's contract is that every
+device computes its own rows with all-gathered weights. Propagation alone does not give that — with
+weights sharded on ``embed`` over the same axis, XLA may keep activations whole and run every row
+on every device.
 """
 
 from __future__ import annotations
@@ -165,3 +170,22 @@ def shard_model(model: nnx.Module, mesh: Mesh, rules: Rules | None = None) -> nn
     shardings = param_shardings(state, mesh, rules)
     nnx.update(model, jax.device_put(state, shardings))
     return model
+
+
+BATCH_AXIS = "fsdp"
+
+
+def shard_batch(x: jax.Array) -> jax.Array:
+    """``x`` with its leading (batch) dimension split over ``fsdp`` of the mesh in context.
+
+    The context is ``jax.sharding.use_abstract_mesh(mesh.abstract_mesh)`` (``PolicyUpdate`` sets it
+    while tracing its step). Without a mesh in context, without an ``fsdp`` axis > 1, or when the
+    rows do not divide evenly (e.g. a 2-row probe on 4 devices), ``x`` is returned as it is.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or BATCH_AXIS not in mesh.axis_names:
+        return x
+    size = mesh.shape[BATCH_AXIS]
+    if size == 1 or x.ndim == 0 or x.shape[0] % size:
+        return x
+    return jax.lax.with_sharding_constraint(x, PartitionSpec(BATCH_AXIS))

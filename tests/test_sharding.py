@@ -123,3 +123,27 @@ def test_optimizer_state_inherits_parameter_shardings(model):
     # a derived variable that kept its parameter's axes but lost a dimension is replicated, not an error
     row = RowStat(jnp.zeros((2, 64)), logical_axes=("layers", "embed", "mlp"))
     assert param_shardings(nnx.State({"v": row}), mesh)["v"].spec == P()
+
+
+def test_activations_split_by_batch_under_a_mesh_context():
+    """shard_batch: rows over fsdp when a mesh is in context and they divide; a no-op otherwise."""
+    mesh = make_mesh({"fsdp": 4, "tensor": 2})
+    model = shard_model(Decoder(tiny(), rngs=nnx.Rngs(0)), mesh)
+    graphdef, state = nnx.split(model)
+
+    def forward(state, tokens):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return nnx.merge(graphdef, state)(tokens)
+
+    def constraints(rows):
+        tokens = jnp.zeros((rows, 6), jnp.int32)
+        text = jax.jit(forward).lower(state, tokens).as_text()
+        return [line for line in text.splitlines() if "sharding_constraint" in line]
+
+    split = constraints(4)
+    assert split and all('[{"fsdp"}' in line for line in split)
+    assert constraints(2) == []                      # 2 rows do not divide over 4 devices
+    logits = jax.jit(forward)(state, jnp.zeros((4, 6), jnp.int32))
+    assert logits.sharding.spec[0] == "fsdp"
+    plain = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t)).lower(state, jnp.zeros((4, 6), jnp.int32))
+    assert "sharding_constraint" not in plain.as_text()   # no mesh in context: the layout is XLA's

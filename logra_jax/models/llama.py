@@ -22,7 +22,7 @@ from logra_jax.models.config import ModelConfig
 from logra_jax.models.kv_cache import KVCache
 from logra_jax.models.linear import Linear
 from logra_jax.optim.projections import SketchProbe
-from logra_jax.sharding import get_logical_axes, set_logical_axes
+from logra_jax.sharding import get_logical_axes, set_logical_axes, shard_batch
 
 # The stacked linear layers a SketchProbe may target, by kernel path, and their in/out logical axes.
 LAYER_LINEARS: dict[str, tuple[str, str]] = {
@@ -297,14 +297,14 @@ class Decoder(nnx.Module):
             mask = (key_slot[None, :] <= query_slot[:, None])[None] & new_mask[:, None, :]
             kv_stack = (cache.k, cache.v)
 
-        x = self.embed_tokens(tokens)
+        x = shard_batch(self.embed_tokens(tokens))
         cos, sin = rotary_cos_sin(positions, c.head_dim, c.rope_theta, c.compute_dtype)
         graphdef, layer_params = nnx.split(self.layers)
 
         def layer(h, per_layer):
             params, probes_l, kv_l = per_layer
             block = nnx.merge(graphdef, params)
-            return block(h, cos, sin, mask, probes_l, kv_l, offset)
+            return block(shard_batch(h), cos, sin, mask, probes_l, kv_l, offset)
 
         if c.remat:
             # Backward recomputes each layer from its input instead of keeping its activations.

@@ -129,6 +129,7 @@ class PolicyUpdate:
         self.return_updates = return_updates
         self._step = None
         self._sketch_shardings: dict[str, NamedSharding] = {}
+        self._mesh = None
 
     def __call__(self, params, opt_state, batch: TrainBatch):
         if batch.size % self.micro_batch_size:
@@ -151,9 +152,19 @@ class PolicyUpdate:
             # Inside the jit params are tracers without shardings: fix the sketches' layout now.
             self._sketch_shardings = sketch_shardings(params, self.sketch) if self.sketch else {}
             extra = (None,) if self.return_updates else ()
+            meshes = {x.mesh for x in jax.tree.leaves(keep[0]) if isinstance(x, NamedSharding)}
+            self._mesh = meshes.pop() if len(meshes) == 1 else None
             self._step = jax.jit(self._step_impl, donate_argnums=(0, 1),
                                  out_shardings=(keep[0], keep[1], None) + extra)
         return self._step
+
+    def _step_impl(self, params, opt_state, batch: TrainBatch):
+        """The step traced with the params' mesh in context: the model then splits its activations
+        by batch over ``fsdp`` (``sharding.shard_batch``) instead of leaving the layout to XLA."""
+        if self._mesh is None:
+            return self._step_body(params, opt_state, batch)
+        with jax.sharding.use_abstract_mesh(self._mesh.abstract_mesh):
+            return self._step_body(params, opt_state, batch)
 
     # -- the objective on one micro-batch -------------------------------------------------------
     def _objective(self, params, probes, mb: TrainBatch):
@@ -180,7 +191,7 @@ class PolicyUpdate:
         return loss, aux
 
     # -- the jitted step --------------------------------------------------------------------------
-    def _step_impl(self, params, opt_state, batch: TrainBatch):
+    def _step_body(self, params, opt_state, batch: TrainBatch):
         n_micro = batch.size // self.micro_batch_size
         # Micro-batch k takes rows k, k + n_micro, k + 2·n_micro, ...: the batch is sharded in
         # contiguous blocks of rows, so every device holds its share of every micro-batch. (Taking
