@@ -13,14 +13,12 @@ own prompt). One greedy completion per question, graded like a rollout. Prints a
 """
 
 import json
-import os
 import pathlib
 import sys
 
-HOST_DEVICES = int(os.environ.get("LOGRA_HOST_DEVICES", "8"))
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               f" --xla_force_host_platform_device_count={HOST_DEVICES}").strip()
+from launch import simulate_host_devices
+
+simulate_host_devices(8)  # before jax is imported
 
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402

@@ -19,6 +19,8 @@ import math
 import os
 import sys
 
+from launch import simulate_host_devices
+
 # Simulated devices must be configured before jax starts its CPU backend: enough for the mesh and
 # rollout devices named on the command line, at least 8; LOGRA_HOST_DEVICES or an XLA_FLAGS count wins.
 def _host_devices(argv) -> int:
@@ -32,12 +34,10 @@ def _host_devices(argv) -> int:
                 rollout = int(value)
         except (IndexError, ValueError):
             pass  # a malformed flag is reported once the flags are parsed
-    return int(os.environ.get("LOGRA_HOST_DEVICES", max(8, mesh + rollout)))
+    return max(8, mesh + rollout)
 
 
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count="
-                               f"{_host_devices(sys.argv[1:])}").strip()
+simulate_host_devices(_host_devices(sys.argv[1:]))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import json  # noqa: E402

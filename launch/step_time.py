@@ -28,14 +28,13 @@ runs one update of the config's model shape with random weights and prints one J
 device's ``peak_bytes_in_use`` next to XLA's ahead-of-time prediction for the same program.
 """
 
-import os
 import sys
 
 # The timing compares the two optimizers on one device (the simulated 8-device CPU of the tests
-# would only split the same cores 8 ways). LOGRA_HOST_DEVICES or an XLA_FLAGS count wins.
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count="
-                               + os.environ.get("LOGRA_HOST_DEVICES", "1")).strip()
+# would only split the same cores 8 ways).
+from launch import simulate_host_devices  # noqa: E402
+
+simulate_host_devices(1)
 
 import json  # noqa: E402
 import statistics  # noqa: E402

@@ -20,10 +20,9 @@ of one sync (CPU-simulated devices: only the ratios carry over to real hardware)
 import os
 import sys
 
-# 8 simulated CPU devices (4 train + 4 roll out) unless XLA_FLAGS already sets a count.
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               " --xla_force_host_platform_device_count=8").strip()
+from launch import simulate_host_devices  # noqa: E402
+
+simulate_host_devices(8)  # 4 train + 4 roll out
 
 from absl import app, flags  # noqa: E402
 

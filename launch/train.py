@@ -7,15 +7,11 @@ The workdir receives metrics.jsonl, TensorBoard events and orbax checkpoints; ru
 command again resumes from the latest complete checkpoint.
 """
 
-import os
 import sys
 
-# CPU runs simulate a multi-device host so the sharded code path is the one a GPU node runs. This
-# must be set before jax is imported; an XLA_FLAGS that already sets a count wins.
-HOST_DEVICES = int(os.environ.get("LOGRA_HOST_DEVICES", "8"))
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               f" --xla_force_host_platform_device_count={HOST_DEVICES}").strip()
+from launch import simulate_host_devices
+
+simulate_host_devices(8)  # before jax is imported
 
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
