@@ -83,16 +83,18 @@ def main(argv):
                       max_completion_length=_COMPLETION_LEN.value, eos_ids=t.sampler.eos_ids,
                       pad_id=t.sampler.pad_id)
     sharding = trainer_lib.batch_sharding(t.mesh, _BATCH.value)
-    params, opt_state = t.init_state()
+    params, _ = t.init_state()
     weights = {"initial": (0, params)} if _INITIAL.value else {}
     for label, workdir in runs.items():
         ckpt = checkpoint_lib.Checkpointer(workdir / "checkpoints")
         step = ckpt.latest_step()
         if step is None:
             sys.exit(f"error: --run {label}={workdir} holds no complete checkpoint")
-        (restored, _), _ = ckpt.restore(step, (params, opt_state))
+        try:
+            weights[label] = (step, ckpt.restore_params(step, params))
+        except ValueError as e:
+            sys.exit(f"error: --run {label}: {e}")
         ckpt.close()
-        weights[label] = (step, restored)
 
     print(f"{name}, greedy, {_COMPLETION_LEN.value} completion tokens")
     print(f"{'weights':>12} {'step':>5} {'correct':>8} {'accuracy':>9} {'clipped':>8}")

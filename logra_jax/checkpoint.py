@@ -69,6 +69,27 @@ class Checkpointer:
                 state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
         return restored["state"], dict(restored["meta"])
 
+    def restore_params(self, step: int, abstract_params: Any) -> Any:
+        """The params of a saved ``(params, opt_state)``, whatever optimizer state was saved with
+        them (evaluating runs of several optimizers with one model), laid out like
+        ``abstract_params``. The saved tree is read as saved, optimizer state included."""
+        with _quiet():
+            restored = self._manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore()))
+        state = restored["state"]
+        if not isinstance(state, (list, tuple)) or len(state) != 2:
+            raise ValueError(f"{self.directory} step {step} does not hold (params, opt_state)")
+        params = state[0]
+        want, got = jax.tree.structure(abstract_params), jax.tree.structure(params)
+        if want != got:
+            raise ValueError(f"{self.directory} step {step}: the saved params do not match this "
+                             f"model's ({got.num_leaves} vs {want.num_leaves} leaves)")
+        for x, ref in zip(jax.tree.leaves(params), jax.tree.leaves(abstract_params)):
+            if x.shape != ref.shape or x.dtype != ref.dtype:
+                raise ValueError(f"{self.directory} step {step}: a saved param is {x.dtype}{x.shape}, "
+                                 f"this model's is {ref.dtype}{ref.shape}")
+        return jax.device_put(params, jax.tree.map(lambda x: x.sharding, abstract_params))
+
     def close(self) -> None:
         with _quiet():
             self._manager.close()

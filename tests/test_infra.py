@@ -74,6 +74,13 @@ def test_checkpoint_roundtrip_keeps_values_and_shardings(tmp_path):
     for name in state:
         np.testing.assert_array_equal(restored[name], state[name])
     assert restored["w"].sharding == sharding
+    # Params alone, whatever optimizer state was saved beside them (here: another structure).
+    ckpt.save(4, (state, {"mu": state["w"], "count": state["count"]}), {"step": 4})
+    params = ckpt.restore_params(4, abstract)
+    np.testing.assert_array_equal(params["w"], state["w"])
+    assert params["w"].sharding == sharding
+    with pytest.raises(ValueError, match="do not match this model"):
+        ckpt.restore_params(4, {"w": abstract["w"]})
     ckpt.close()
     with pytest.raises(ValueError, match="keep"):
         checkpoint.Checkpointer(tmp_path / "x", keep=0)
