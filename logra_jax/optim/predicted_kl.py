@@ -55,12 +55,47 @@ def exact_kl(logits_old: jax.Array, logits_new: jax.Array, response_mask: jax.Ar
     c = δ − E_p[δ],  KL = log E_p[e^c] = log1p(E_p[expm1(c)]). The textbook Σ p·(log p − log q)
     subtracts log-probabilities of size ~1 to get a result of ~1e-6 and loses it to rounding.
     """
+    return _masked_mean(_exact_kl_per_token(logits_old, logits_new, temperature), response_mask)
+
+
+def _exact_kl_per_token(logits_old: jax.Array, logits_new: jax.Array, temperature: float) -> jax.Array:
     z_old = logits_old.astype(jnp.float32) / temperature
     delta = (logits_new.astype(jnp.float32) - logits_old.astype(jnp.float32)) / temperature
     p = jax.nn.softmax(z_old, axis=-1)
     centred = delta - jnp.sum(p * delta, axis=-1, keepdims=True)
-    per_token = jnp.log1p(jnp.sum(p * jnp.expm1(centred), axis=-1))
-    return _masked_mean(per_token, response_mask)
+    return jnp.log1p(jnp.sum(p * jnp.expm1(centred), axis=-1))
+
+
+def exact_kl_from_hidden(hidden_old: jax.Array, head_old: jax.Array, hidden_new: jax.Array,
+                         head_new: jax.Array, response_mask: jax.Array, temperature: float = 1.0,
+                         *, token_chunk: int = 128) -> jax.Array:
+    """``exact_kl`` of the logits h·head [b, t, V], formed ``token_chunk`` positions at a time.
+
+    hidden_*: [b, t, d]; head_*: [d, V]. The whole [b, t, V] logits of a probe batch are large at
+    LLM vocabularies (2 × 1536 × 152064 fp32 = 1.7 GiB for Qwen2.5) and would sit at the update's
+    peak; a chunk of positions holds ``token_chunk / t`` of that. Same value as ``exact_kl``.
+    """
+    b, t, d = hidden_old.shape
+    if hidden_new.shape != (b, t, d) or head_old.shape != head_new.shape or head_old.shape[0] != d:
+        raise ValueError(f"exact_kl_from_hidden: hidden {hidden_old.shape} / {hidden_new.shape} and "
+                         f"heads {head_old.shape} / {head_new.shape} do not fit together")
+    chunk = min(token_chunk, t)
+    n = -(-t // chunk)
+    pad = n * chunk - t
+
+    def chunks(h):  # [b, t, d] → [n, b, chunk, d], zero positions appended to fill the last chunk
+        h = jnp.pad(h.astype(jnp.float32), ((0, 0), (0, pad), (0, 0)))
+        return h.reshape(b, n, chunk, d).swapaxes(0, 1)
+
+    head_old, head_new = head_old.astype(jnp.float32), head_new.astype(jnp.float32)
+
+    def per_token(hs):
+        h_old, h_new = hs
+        return _exact_kl_per_token(h_old @ head_old, h_new @ head_new, temperature)   # [b, chunk]
+
+    kl = jax.lax.map(per_token, (chunks(hidden_old), chunks(hidden_new)))           # [n, b, chunk]
+    kl = kl.swapaxes(0, 1).reshape(b, n * chunk)[:, :t]
+    return _masked_mean(kl, response_mask)
 
 
 def make_predict_kl(logits_fn: Callable, others, factors: dict[str, jax.Array],

@@ -18,9 +18,9 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from logra_jax.optim import (LowRankUpdate, SketchSpec, apply_updates, exact_kl, make_predict_kl,
-                             make_probes, merge_targets, probe_factors, split_targets, update_index,
-                             with_factors)
+from logra_jax.optim import (LowRankUpdate, SketchSpec, apply_updates, exact_kl_from_hidden,
+                             make_predict_kl, make_probes, merge_targets, probe_factors,
+                             split_targets, update_index, with_factors)
 from logra_jax.optim.targets import leaves_with_paths
 from logra_jax.rl import losses
 from logra_jax.rl.policy import Policy, Sequences
@@ -252,12 +252,15 @@ class PolicyUpdate:
                 probe_logits, others, factors, probe.seqs.completion_mask, self.loss.temperature,
                 others_frozen=not self.train_others), mismatch=mismatch)
 
-        logits_old = self.policy.completion_logits(params, probe.seqs)
+        # The realized KL on the probe, from hidden states and heads: full-vocabulary logits exist
+        # only a few positions at a time (exact_kl_from_hidden).
+        hidden_old = self.policy.hidden(params, probe.seqs)
+        head_old = self.policy.bind(params).head_kernel()
         updates, opt_state = self.tx.update(grads, opt_state, params, **extra)
         params = apply_updates(params, updates)
-        logits_new = self.policy.completion_logits(params, probe.seqs)
-        metrics["logra/realized_kl"] = exact_kl(logits_old, logits_new, probe.seqs.completion_mask,
-                                                self.loss.temperature)
+        metrics["logra/realized_kl"] = exact_kl_from_hidden(
+            hidden_old, head_old, self.policy.hidden(params, probe.seqs),
+            self.policy.bind(params).head_kernel(), probe.seqs.completion_mask, self.loss.temperature)
         metrics["grad_norm"] = optax.tree.norm(grads)
         if self.return_updates:
             low_rank = {path: u for path, u in leaves_with_paths(updates) if isinstance(u, LowRankUpdate)}

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from logra_jax.optim import (LowRankUpdate, SketchSpec, apply_updates, exact_kl,
-                             kl_budget_schedule, make_predict_kl, make_probes, merge_targets,
-                             probe_factors, scale_by_predicted_kl, split_targets, with_factors)
+                             exact_kl_from_hidden, kl_budget_schedule, make_predict_kl, make_probes,
+                             merge_targets, probe_factors, scale_by_predicted_kl, split_targets,
+                             with_factors)
 from optim_tiny_lm import build
 
 SPEC = SketchSpec(rank=4, seed=11)
@@ -166,3 +167,21 @@ def test_exact_kl_matches_float64_textbook_formula():
                              jnp.asarray(mask), TEMPERATURE))
         # fp32 logits carry ~1e-7 relative noise into δ, hence the looser bound at the tiniest step
         np.testing.assert_allclose(got, expected, rtol=1e-4 if step > 1e-3 else 1e-3)
+
+
+@pytest.mark.parametrize("token_chunk", [1, 3, 4, 7])
+def test_exact_kl_from_hidden_equals_exact_kl_of_the_full_logits(token_chunk):
+    """Chunks that divide the positions, that do not (a padded last chunk), and one covering all."""
+    keys = jax.random.split(jax.random.PRNGKey(5), 4)
+    h_old = jax.random.normal(keys[0], (2, 5, 8))
+    h_new = h_old + 0.1 * jax.random.normal(keys[1], h_old.shape)
+    head_old = jax.random.normal(keys[2], (8, 30))
+    head_new = head_old + 0.1 * jax.random.normal(keys[3], head_old.shape)
+    mask = jnp.array([[1, 1, 0, 1, 1], [0, 1, 1, 1, 0]], jnp.float32)
+    want = exact_kl(h_old @ head_old, h_new @ head_new, mask, TEMPERATURE)
+    got = exact_kl_from_hidden(h_old, head_old, h_new, head_new, mask, TEMPERATURE,
+                               token_chunk=token_chunk)
+    assert float(want) > 1e-3
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    with pytest.raises(ValueError, match="do not fit together"):
+        exact_kl_from_hidden(h_old, head_old, h_new[:, :4], head_new, mask)
