@@ -222,14 +222,23 @@ class PolicyUpdate:
             grad_fn = jax.grad(lambda p, mb: self._objective(p, None, mb), has_aux=True)
             wrt = params
 
+        def keep_sketch_layout(tree):
+            """Accumulated sketches stay sharded like their factors (else XLA may gather them)."""
+            if self.sketch is None:
+                return tree
+            factors_ = tree[1] if self.train_others else tree
+            factors_ = {path: jax.lax.with_sharding_constraint(f, self._sketch_shardings[path])
+                        if path in self._sketch_shardings else f for path, f in factors_.items()}
+            return (tree[0], factors_) if self.train_others else factors_
+
         def accumulate(total, mb):
             if self.sketch is not None and self.train_others:
                 grads, aux = grad_fn(*wrt, mb)
             else:
                 grads, aux = grad_fn(wrt, mb)
-            return _tree_add(total, grads), aux
+            return keep_sketch_layout(_tree_add(total, grads)), aux
 
-        zeros = jax.tree.map(jnp.zeros_like, wrt)
+        zeros = keep_sketch_layout(jax.tree.map(jnp.zeros_like, wrt))
         total, aux = jax.lax.scan(accumulate, zeros, micro)
         mean_grads = jax.tree.map(lambda g: g / n_micro, total)
         if self.sketch is None:
