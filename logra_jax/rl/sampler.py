@@ -149,9 +149,11 @@ class Sampler:
         next_position = jnp.sum(prompt_mask, axis=1).astype(jnp.int32)           # [b]
 
         cache = model.init_cache(batch, prompt_len + steps)
-        logits, cache = model(prompt_tokens, positions=positions, segment_mask=prompt_mask,
-                              cache=cache)
-        last_logits = logits[:, -1].astype(jnp.float32)
+        # Prefill: only the last position's logits are needed, so the head runs on that one
+        # hidden state (full-vocabulary logits of every prompt position would be b × t × V).
+        hidden, cache = model(prompt_tokens, positions=positions, segment_mask=prompt_mask,
+                              cache=cache, return_hidden=True)
+        last_logits = model.logits(hidden[:, -1:])[:, 0].astype(jnp.float32)
         eos = jnp.asarray(self.eos_ids, jnp.int32)
 
         def pick(logits_t, key):
