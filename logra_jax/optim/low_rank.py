@@ -1,6 +1,9 @@
 """Sketch-space arithmetic that needs A: sketching a dense gradient, reconstructed norms, and
 merging a low-rank update into the weights (ALGORITHM.md §3, §5, §8).
 
+The merge's product U·A is order-free (order_free.py): the same bits wherever it runs, which is what
+makes a factors sync exact. Sketches and norms need no such guarantee and use plain fp32 dots.
+
 All of it regenerates A_l(k) from its key, one layer of a stack at a time, so no (*stack, in, r)
 tensor of projections and no (*stack, in, out) ΔW is ever held at once.
 
@@ -17,7 +20,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from logra_jax.optim.projections import projection
+from logra_jax.optim.order_free import order_free_matmul, rounded
+from logra_jax.optim.projections import projection, projection_parts
 
 _HIGHEST = jax.lax.Precision.HIGHEST  # fp32 arithmetic on every backend (no TF32/bf16 passes)
 
@@ -117,7 +121,7 @@ class LowRankUpdate:
         _check_kernel(kernel, self)
         kernel = jnp.asarray(kernel)
         delta = self.delta_kernel(kernel.shape[-2])
-        return (self.weight_scale * kernel.astype(jnp.float32) + delta).astype(kernel.dtype)
+        return (rounded(self.weight_scale * kernel.astype(jnp.float32)) + delta).astype(kernel.dtype)
 
     __add__ = __radd__
 
@@ -131,13 +135,23 @@ def _check_kernel(kernel, update: LowRankUpdate):
 
 
 def _delta_one(u, key, in_dim, distribution):
-    a = projection(key, u.shape[-1], in_dim, distribution)                       # (r, in)
-    return jnp.matmul(a.T, u.astype(jnp.float32).T, precision=_HIGHEST)         # (in, out)
+    """ΔK = Aᵀ·Uᵀ (in, out) in fp32, as unitᵀ·(s·U)ᵀ with A = s·unit.
+
+    The product is `order_free_matmul`: its bits do not depend on how a backend sums over r, so a
+    receiver on another mesh, CPU kind or kernel library merges exactly what the trainer merged.
+    U is taken exactly as it is (as sent: `rounded` keeps a compiler from folding a preceding cast
+    to bf16 into the fp32 product, as GPU backends may with excess precision), and s·U is rounded
+    once, before the product (no fused multiply-add can skip that rounding).
+    """
+    unit, scale = projection_parts(key, u.shape[-1], in_dim, distribution)    # (r, in)
+    scaled = rounded(rounded(u).astype(jnp.float32) * scale)
+    return order_free_matmul(unit.T, scaled.T, x_is_sign=distribution == "rademacher")
 
 
 def _merge_one(kernel, u, key, weight_scale, distribution):
+    """ws·K + ΔK in K's dtype; ws·K is rounded before the add, as on every side of a sync."""
     delta = _delta_one(u, key, kernel.shape[0], distribution)
-    return (weight_scale * kernel.astype(jnp.float32) + delta).astype(kernel.dtype)
+    return (rounded(weight_scale * kernel.astype(jnp.float32)) + delta).astype(kernel.dtype)
 
 
 def _is_low_rank(x) -> bool:

@@ -46,17 +46,27 @@ def projection_keys(seed: int, path: str, update_index: jax.Array | int,
     return keys.reshape(stack_shape + keys.shape[1:])
 
 
+def projection_parts(key: jax.Array, rank: int, in_dim: int,
+                     distribution: Distribution = "rademacher") -> tuple[jax.Array, jax.Array]:
+    """(unit, scale) with A = unit·scale: unit (rank, in_dim) holds ±1 or N(0, 1) draws, scale = 1/√r.
+
+    The merge (low_rank.order_free_matmul) uses the parts: a ±1 matrix has one significant bit,
+    which is what lets it multiply without rounding.
+    """
+    if distribution == "rademacher":
+        unit = jax.random.rademacher(key, (rank, in_dim), dtype=jnp.float32)
+    elif distribution == "gaussian":
+        unit = jax.random.normal(key, (rank, in_dim), dtype=jnp.float32)
+    else:
+        raise ValueError(f"distribution must be one of {DISTRIBUTIONS}, got {distribution!r}")
+    return unit, 1.0 / jnp.sqrt(jnp.asarray(rank, jnp.float32))
+
+
 def projection(key: jax.Array, rank: int, in_dim: int, distribution: Distribution = "rademacher",
                dtype=jnp.float32) -> jax.Array:
     """A of shape (rank, in_dim) with E[AᵀA] = I: entries ±1/√r or N(0, 1/r)."""
-    scale = 1.0 / jnp.sqrt(jnp.asarray(rank, jnp.float32))
-    if distribution == "rademacher":
-        a = jax.random.rademacher(key, (rank, in_dim), dtype=jnp.float32)
-    elif distribution == "gaussian":
-        a = jax.random.normal(key, (rank, in_dim), dtype=jnp.float32)
-    else:
-        raise ValueError(f"distribution must be one of {DISTRIBUTIONS}, got {distribution!r}")
-    return (a * scale).astype(dtype)
+    unit, scale = projection_parts(key, rank, in_dim, distribution)
+    return (unit * scale).astype(dtype)
 
 
 @jax.tree_util.register_dataclass

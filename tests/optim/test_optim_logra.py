@@ -180,7 +180,9 @@ def test_layerwise_merge_needs_no_second_copy_of_the_weights():
     print(f"layer-wise merge temp {stats.temp_size_in_bytes / 2**20:.2f} MiB for a "
           f"{stack_bytes / 2**20:.0f} MiB stack")
     layer_bytes = stack_bytes // 8
-    assert stats.temp_size_in_bytes < 3 * layer_bytes     # a layer's ΔW and new value, not the stack
+    # One layer's kernel, the running sum of its exact slice products (order_free.py) and the
+    # product being added: never the stack of 8.
+    assert stats.temp_size_in_bytes < 4 * layer_bytes
 
 
 def test_nnx_optimizer_drop_in_with_dense_gradients(tiny):
