@@ -1,10 +1,11 @@
 """Policy sync trainer → rollout engine (ALGORITHM.md §8) on disjoint 4 + 4 device meshes.
 
 The trainer (PolicyUpdate, the real jitted step) runs on 4 devices (fsdp 4); each rollout engine on
-the other 4 (fsdp 2 × tensor 2: a different sharding). After every real LoGRA update, each mode's
-message goes over the wire; the sampler weights must then equal the trainer's cast to bf16 —
-bit for bit for full, sparse and factors with the master copy — while the bf16-only factors
-receiver's drift is measured and reported.
+the other 4 (fsdp 2 × tensor 2: a different sharding; the exact factors receiver also on fsdp 4 ×
+tensor 1 and fsdp 1 × tensor 4, so three different per-device blockings of the merge). After every
+real LoGRA update, each mode's message goes over the wire; the sampler weights must then equal the
+trainer's cast to bf16 — bit for bit for full, sparse and factors with the master copy — while
+the bf16-only factors receiver's drift is measured and reported.
 """
 
 import jax
@@ -29,9 +30,11 @@ from logra_jax.rl.update import LossConfig, PolicyUpdate, TrainBatch
 
 PROMPT, STEPS, ROWS = 8, 6, 8
 SPEC = SketchSpec(rank=8, seed=3)
-# Receivers kept in step by each trainer: name → (mode, master_copy).
-RECEIVERS = {"full": ("full", True), "sparse": ("sparse", True),
-             "factors": ("factors", True), "factors_bf16": ("factors", False)}
+# Receivers kept in step by each trainer: name → (mode, master_copy, rollout mesh (fsdp, tensor)).
+RECEIVERS = {"full": ("full", True, (2, 2)), "sparse": ("sparse", True, (2, 2)),
+             "factors": ("factors", True, (2, 2)), "factors_bf16": ("factors", False, (2, 2)),
+             "factors_4x1": ("factors", True, (4, 1)), "factors_1x4": ("factors", True, (1, 4))}
+EXACT = ["full", "sparse", "factors", "factors_4x1", "factors_1x4"]
 RUNS = ["kl", "tiny_grpo"]
 
 
@@ -56,6 +59,14 @@ def _meshes():
             sharding_lib.make_mesh({"fsdp": 2, "tensor": 2}, rollout_devices))
 
 
+def _receiver_shardings(model, rollout_devices):
+    """{receiver: its params-shaped shardings on the rollout devices, with its own mesh}."""
+    by_shape = {shape: sync.rollout_shardings(model, sharding_lib.make_mesh(
+        {"fsdp": shape[0], "tensor": shape[1]}, rollout_devices))
+        for shape in {shape for _, _, shape in RECEIVERS.values()}}
+    return {r: by_shape[shape] for r, (_, _, shape) in RECEIVERS.items()}
+
+
 def _replicate_scalars(opt_state, mesh):
     return jax.tree.map(lambda x: x if isinstance(x.sharding, NamedSharding)
                         else jax.device_put(x, NamedSharding(mesh, P())), opt_state)
@@ -65,10 +76,10 @@ def _train_and_sync(run, params, opt_state, next_batch, updates_count):
     """Real updates; after each, every receiver gets its mode's message. Everything is logged."""
     kw = dict(sketch=run["sketch"], train_others=run["train_others"])
     # One sender per receiver: factors and sparse messages are deltas numbered per sender.
-    senders = {r: sync.SyncSender(mode, params, **kw) for r, (mode, _) in RECEIVERS.items()}
-    engines = {r: sync.RolloutEngine(run["policy"], params, run["shardings"], mode=mode,
+    senders = {r: sync.SyncSender(mode, params, **kw) for r, (mode, _, _) in RECEIVERS.items()}
+    engines = {r: sync.RolloutEngine(run["policy"], params, run["receiver_shardings"][r], mode=mode,
                                      master_copy=master, temperature=run["temperature"], **kw)
-               for r, (mode, master) in RECEIVERS.items()}
+               for r, (mode, master, _) in RECEIVERS.items()}
     log = {"messages": [], "metrics": [], "mismatch": [], "casts": [_bf16_host(params)], "drift": [],
            "u_itemsize": None}
     for i in range(updates_count):
@@ -86,7 +97,8 @@ def _train_and_sync(run, params, opt_state, next_batch, updates_count):
         mismatch = {"factors": log["metrics"][-1]["logra/sync_mismatch"]}
         for r, message in messages.items():
             engines[r].receive(message)
-            mismatch[r] = engines[r].mismatch(params, probe)
+            if RECEIVERS[r][2] == (2, 2):  # the other meshes' log-prob programs would only cost time
+                mismatch[r] = engines[r].mismatch(params, probe)
         log["messages"].append(messages)
         log["mismatch"].append(mismatch)
         log["casts"].append(_bf16_host(params))
@@ -132,7 +144,8 @@ def kl():
     run = dict(name="kl", policy=policy, sampler=sampler, step=step, sketch=SPEC, train_others=False,
                temperature=1.0, params0=_host(params), train_devices=train_devices,
                rollout_devices=rollout_devices, train_mesh=train_mesh, rollout_mesh=rollout_mesh,
-               shardings=sync.rollout_shardings(model, rollout_mesh), prompts=prompts)
+               shardings=sync.rollout_shardings(model, rollout_mesh), prompts=prompts,
+               receiver_shardings=_receiver_shardings(model, rollout_devices))
     opt_state = _replicate_scalars(jax.jit(tx.init)(params), train_mesh)
     return _train_and_sync(run, params, opt_state, next_batch, updates_count=2)
 
@@ -172,7 +185,8 @@ def tiny_grpo():
     run = dict(name="tiny_grpo", policy=policy, sampler=sampler, step=step, sketch=sketch, train_others=train_others,
                temperature=rl.temperature, params0=_host(params), train_devices=train_devices,
                rollout_devices=rollout_devices, train_mesh=train_mesh, rollout_mesh=rollout_mesh,
-               shardings=sync.rollout_shardings(model, rollout_mesh))
+               shardings=sync.rollout_shardings(model, rollout_mesh),
+               receiver_shardings=_receiver_shardings(model, rollout_devices))
     opt_state = _replicate_scalars(jax.jit(tx.init)(params), train_mesh)
     run = _train_and_sync(run, params, opt_state, next_batch, updates_count=2)
     assert set(jax.tree.leaves(run["params"])[0].devices()) == set(train_devices)
@@ -184,7 +198,7 @@ def run(request):
     return request.getfixturevalue(request.param)
 
 
-@pytest.mark.parametrize("receiver", ["full", "sparse", "factors"])
+@pytest.mark.parametrize("receiver", EXACT)
 def test_exact_modes_give_the_trainers_bf16_weights_bit_for_bit(run, receiver):
     engine = run["engines"][receiver]
     drift = sync.weight_drift(engine.params, run["params"])
@@ -192,14 +206,15 @@ def test_exact_modes_give_the_trainers_bf16_weights_bit_for_bit(run, receiver):
     # ... and the syncs did move the sampler: its weights are not the initial ones any more.
     moved = sync.weight_drift(engine.params, run["params0"], paths=engine.trainable)
     assert moved["num_differing"] > 0
-    # Placement: bf16 on the rollout devices, with the rollout mesh's own sharding.
-    placement = dict(leaves_with_paths(run["shardings"]))
+    # Placement: bf16 on the rollout devices, with the receiver's own mesh and sharding.
+    placement = dict(leaves_with_paths(run["receiver_shardings"][receiver]))
     for path, leaf in leaves_with_paths(engine.params):
         assert leaf.dtype == jnp.bfloat16, path
         assert leaf.sharding.is_equivalent_to(placement[path], leaf.ndim), path
         assert set(leaf.devices()) == set(run["rollout_devices"]), path
-    if receiver == "factors":
-        # The master copy is the trainer's fp32 weights bit for bit: the merge is the same arithmetic.
+    if receiver.startswith("factors"):
+        # The master copy is the trainer's fp32 weights bit for bit: the merge's product is
+        # order-free, so another per-device blocking cannot change a bit.
         trainer = _host(run["params"])
         for path, w in engine.master.items():
             np.testing.assert_array_equal(np.asarray(jax.device_get(w)), trainer[path], err_msg=path)
@@ -318,7 +333,8 @@ def test_bad_input_is_one_clear_error(kl):
 
 def test_colocated_engine_on_the_trainers_mesh(kl):
     """Colocated: the rollout engine shares the trainer's devices (its own bf16 copy, same mesh).
-    Replaying the run's factors messages from the initial weights lands on the trainer's weights."""
+    Replaying the run's factors messages from the initial weights lands on the trainer's weights,
+    even though the params it was built from are deleted (as the trainer's update donates them)."""
     run = kl
     train_devices, rollout_devices = sync.split_devices(0)
     assert train_devices == rollout_devices == jax.devices()
@@ -326,8 +342,21 @@ def test_colocated_engine_on_the_trainers_mesh(kl):
     params0 = jax.device_put(_unflatten(run["params"], run["params0"]), shardings)
     engine = sync.RolloutEngine(run["policy"], params0, shardings, mode="factors", sketch=SPEC,
                                 train_others=False)
+    for leaf in jax.tree.leaves(params0):
+        leaf.delete()
     for messages in run["log"]["messages"]:
         engine.receive(messages["factors_bf16"])
     assert sync.weight_drift(engine.params, run["params"])["num_differing"] == 0
     for leaf in jax.tree.leaves(engine.params):
         assert set(leaf.devices()) == set(run["train_devices"])
+
+
+def test_a_colocated_run_syncs_by_a_local_cast():
+    """Colocated, factors and sparse need no master copy or mirror: the trainer's weights are on
+    the same devices, so the engine receives them cast (`placed_mode`); disjoint, they are kept."""
+    assert sync.placed_mode("factors", colocated=True) == "full"
+    assert sync.placed_mode("sparse", colocated=True) == "full"
+    assert sync.placed_mode("full", colocated=True) == "full"
+    assert sync.placed_mode("factors", colocated=False) == "factors"
+    assert sync.placed_mode("sparse", colocated=False) == "sparse"
+    assert sync.placed_mode("off", colocated=True) == "off"

@@ -129,24 +129,40 @@ def test_reference_is_kept_only_for_a_kl_penalty_and_in_the_compute_dtype(traine
                                   t._ref_logprobs(params, seqs))
 
 
-def test_disjoint_rollout_devices_with_factor_sync(tmp_path):
-    """4 training + 4 rollout devices; the engine receives bf16 factors and stays bit-exact."""
+@pytest.mark.parametrize("mode, rollout_devices", [("factors", 4), ("sparse", 4), ("factors", 0),
+                                                   ("sparse", 0)])
+def test_sync_modes_with_and_without_rollout_devices(mode, rollout_devices, tmp_path):
+    """4 training + 4 rollout devices: the engine receives the mode's messages and stays bit-exact.
+    Colocated (0): the same exact weights from a local cast, with no master copy or mirror."""
     config = make_config("logra-kl", max_steps=2,
-                         sync=dict(mode="factors", rollout_devices=4, master_copy=True))
+                         sync=dict(mode=mode, rollout_devices=rollout_devices, master_copy=True))
     run = trainer_lib.Run(config, tmp_path)
     run.loop()
     run.close()
-    trainer = run.trainer
-    assert {d.id for d in trainer.mesh.devices.flat}.isdisjoint(
-        {d.id for d in trainer.rollout_mesh.devices.flat})
+    trainer, engine = run.trainer, run.engine
+    train_ids = {d.id for d in trainer.mesh.devices.flat}
+    rollout_ids = {d.id for d in trainer.rollout_mesh.devices.flat}
     rows = metrics.read_jsonl(tmp_path / "metrics.jsonl")
+    if rollout_devices:
+        assert train_ids.isdisjoint(rollout_ids)
+        assert engine.mode == mode
+        for row in rows:
+            assert 0 < row["logra/sync_bytes"] < row["logra/sync_bytes_full"]
+    else:
+        assert train_ids == rollout_ids
+        assert engine.mode == "full" and engine.master is None
+        for row in rows:
+            assert row["logra/sync_bytes"] == row["logra/sync_bytes_full"]
     for row in rows:
-        assert 0 < row["logra/sync_bytes"] < row["logra/sync_bytes_full"]
         assert np.isfinite(row["logra/sync_mismatch"])
-    engine, trainer_params = _flat(run.engine.params), _flat(run.params)
-    for path in engine:
-        np.testing.assert_array_equal(engine[path], trainer_params[path].astype(jnp.bfloat16),
-                                      err_msg=path)
+    initial = _flat(trainer.initial_params)
+    engine_params, trainer_params = _flat(engine.params), _flat(run.params)
+    moved = 0
+    for path in engine_params:
+        expected = trainer_params[path].astype(jnp.bfloat16)
+        np.testing.assert_array_equal(engine_params[path], expected, err_msg=path)
+        moved += int(np.sum(expected != initial[path].astype(jnp.bfloat16)))
+    assert moved > 0  # the updates did move the bf16 weights the sampler holds
 
 
 @pytest.mark.parametrize("overrides, message", [

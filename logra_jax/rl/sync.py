@@ -24,10 +24,21 @@ wire — and its bytes are what the sync reports. Three modes:
   sync_sparse.py): exact, and as small as the number of changed entries. The sender diffs against a
   bf16 mirror of what the receiver holds (2 bytes per trainable weight on the trainer's devices).
 
-Exactness of ``factors`` needs identical arithmetic on both sides: the same A (keys, distribution),
-the same fp32 HIGHEST-precision matmul over r, the same ws·W + ΔW. The sender checks that the
-trainer's A keys are the ones the receiver will regenerate; tests/test_sync.py checks the weights
-bit for bit against the trainer's jitted step on a 4-device training mesh and a 2 × 2 rollout mesh.
+Exactness of ``factors`` holds by construction, on any backend, CPU or GPU kind and pair of meshes:
+both sides regenerate the same A (threefry bits: integer arithmetic), and the product U·A is
+`order_free_matmul` (optim/order_free.py), whose dots are exact, so no summation order, blocking or
+kernel choice of either side's per-device program can change a bit; what remains (ws·W + ΔW, the
+casts) is elementwise and written down once, in ``LowRankUpdate.merge_into``. The sender checks that
+the trainer's A keys are the ones the receiver will regenerate; tests/test_sync.py checks the
+weights bit for bit against the trainer's jitted step (fsdp 4) on receiver meshes (4, 1), (2, 2)
+and (1, 4).
+
+Placement. ``rollout_devices = 0`` (colocated) puts the engine on the trainer's devices, where the
+trainer's own weights already are: a master copy (factors) or a bf16 mirror (sparse) would only
+duplicate them. `placed_mode` therefore runs every colocated sync as ``full`` — a local cast of the
+trainer's new weights, exact and with no second copy besides the sampler's bf16 weights. The engine
+owns every buffer it holds (``device_put(..., may_alias=False)``): the trainer's update donates its
+params, and a shared buffer would be deleted under the sampler.
 """
 
 from __future__ import annotations
@@ -88,6 +99,15 @@ def _replicated_like(leaf: jax.Array):
 # ---------------------------------------------------------------------------------------------
 # Placement
 # ---------------------------------------------------------------------------------------------
+def placed_mode(mode: str, colocated: bool) -> str:
+    """The sync a placement runs: colocated, ``factors`` and ``sparse`` become ``full`` (a local cast).
+
+    Colocated, nothing crosses a wire, and the encodings would only cost memory on the trainer's
+    devices: a fp32 master copy of the targets (factors) or a bf16 mirror of the weights (sparse).
+    """
+    return "full" if colocated and mode in ("factors", "sparse") else mode
+
+
 def split_devices(rollout_devices: int, devices=None) -> tuple[list, list]:
     """(training devices, rollout devices).
 
@@ -282,11 +302,15 @@ class RolloutEngine:
         self.trainable = trainable_paths(params, sketch, train_others)
         self.targets = sketch.find_targets(params) if sketch is not None else {}
 
-        self._leaves = jax.device_put(_cast_leaves(flat_params, self.dtype), self._shardings)
+        # Own copies (may_alias=False): on the trainer's devices, device_put of a leaf already in
+        # place would return the trainer's buffer, which its next update donates.
+        self._leaves = jax.device_put(_cast_leaves(flat_params, self.dtype), self._shardings,
+                                      may_alias=False)
         self._master = None
         if self.master_copy:
             self._master = jax.device_put({p: flat_params[p] for p in self.targets},
-                                          {p: self._shardings[p] for p in self.targets})
+                                          {p: self._shardings[p] for p in self.targets},
+                                          may_alias=False)
         self._factor_shardings = {p: sharding_without_in_dim(self._leaves[p], keep_last=True)
                                   for p in self.targets}
         self._patchers: dict[str, Any] = {}
@@ -322,7 +346,10 @@ class RolloutEngine:
                              f"{self._received} messages were applied so far: '{self.mode}' sends "
                              f"changes, so every message must arrive, in order; rebuild the sender "
                              f"and the rollout engine from the trainer's params to resynchronise")
-        payload = jax.device_put(message.payload, self._wire_shardings(message.payload))
+        # A copy even where the payload already sits on these devices (a colocated engine): dense
+        # leaves sent in the trainer's dtype are the trainer's own buffers.
+        payload = jax.device_put(message.payload, self._wire_shardings(message.payload),
+                                 may_alias=False)
         for path, value in payload.get("dense", {}).items():
             self._check_leaf(path, value.shape, value.dtype)
             self._leaves[path] = value

@@ -201,8 +201,15 @@ class Trainer:
         self.config = config
         train_devices, rollout_devices = sync.split_devices(config.sync.rollout_devices)
         self.mesh = build_mesh(config.mesh, train_devices)
-        self.rollout_mesh = (build_mesh(config.sync.rollout_mesh, rollout_devices)
-                             if rollout_devices else self.mesh)
+        self.rollout_mesh = build_mesh(config.sync.rollout_mesh, rollout_devices)
+        colocated = not config.sync.rollout_devices
+        # Colocated, every sync is a local cast of the trainer's weights (sync.placed_mode).
+        self.sync_mode = sync.placed_mode(config.sync.mode, colocated)
+        if self.sync_mode != config.sync.mode:
+            logging.info("sync.mode=%s with a colocated sampler runs as a local cast of the trainer's "
+                         "weights (exact, no master copy or mirror); sync.rollout_devices > 0 puts "
+                         "the sampler on its own devices and sends %s", config.sync.mode,
+                         config.sync.mode)
         model, self.tokenizer = build_model(config.model, self.mesh)
         self.policy = Policy(model)
         self.rollout_shardings = sync.rollout_shardings(model, self.rollout_mesh)
@@ -229,7 +236,7 @@ class Trainer:
                        is_cap=rl.is_cap, temperature=rl.temperature),
             micro_batch_size=rl.micro_batch_size, probe_size=config.optimizer.probe_size,
             sketch=self.sketch, train_others=self.train_others, kl_control=kl_control,
-            return_updates=config.sync.mode == "factors")
+            return_updates=self.sync_mode == "factors")
         eos_ids = [self.tokenizer.eos_id]
         pad_id = self.tokenizer.pad_id if self.tokenizer.pad_id is not None else self.tokenizer.eos_id
         self.sampler = Sampler(self.policy, max_prompt_length=rl.max_prompt_length,
@@ -292,7 +299,7 @@ class Run:
         ref_params = t.reference_params
         # The rollout engine starts from the (restored) trainer weights; factors/sparse messages
         # are deltas from there, so a resume only needs a fresh sender and engine.
-        sync_mode = config.sync.mode
+        sync_mode = t.sync_mode
         if sync_mode != "off":
             dtype = SYNC_DTYPES[config.sync.dtype]
             sender = sync.SyncSender(sync_mode, params, sketch=t.sketch,
