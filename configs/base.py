@@ -6,7 +6,10 @@ checkpoint, log. A command-line ``--config.a.b=v`` must name a key defined here.
 
 import ml_collections
 
-from logra_jax.optim import DEFAULT_TARGETS
+# Configs hold plain values and import nothing from the library; tests/test_infra.py checks that
+# these equal the library's own defaults (optim.DEFAULT_TARGETS, data.DEFAULT_INSTRUCTION).
+DEFAULT_TARGETS = r"(^|/)(q|k|v|o|gate|up|down)_proj/kernel$"   # attention and MLP projections
+DEFAULT_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -63,7 +66,7 @@ def get_config() -> ml_collections.ConfigDict:
         name="logra",                     # "logra" | "adamw" (the dense baseline)
         variant="grpo",                   # logra: "grpo" | "kl"
         learning_rate=1e-6, warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
-        # sketch and RowAdam (ALGORITHM.md §2–4)
+        # sketch and RowAdam (docs/algorithm.md §2–4)
         targets=DEFAULT_TARGETS, rank=256, b2=0.95, eps=1e-8, sketch_seed=42, refresh=True,
         distribution="rademacher",
         others="adamw", others_learning_rate=5e-6,
@@ -75,7 +78,7 @@ def get_config() -> ml_collections.ConfigDict:
         b1=0.9, adam_b2=0.999, adam_eps=1e-8,
     ))
 
-    # Trainer → rollout engine (ALGORITHM.md §8; logra_jax/rl/sync.py).
+    # Trainer → rollout engine (docs/algorithm.md §8; logra_jax/rl/sync.py).
     c.sync = ml_collections.ConfigDict(dict(
         mode="off",            # "off": the sampler reads the trainer's params (colocated, no copy)
                                # | "full" | "factors" | "sparse": a separate engine receives messages

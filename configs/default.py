@@ -22,7 +22,7 @@ def get_config():
     c.optimizer.variant = "grpo"
     c.optimizer.learning_rate = 3e-5
     c.optimizer.others_learning_rate = 3e-5
-    # Predicted-KL control (ALGORITHM.md §6) with a budget sized for a 20-step CPU run: without it
+    # Predicted-KL control (docs/algorithm.md §6) with a budget sized for a 20-step CPU run: without it
     # this learning rate moved the policy by a realized KL of 0.1–0.7 per step and reward
     # collapsed after rising (measured here); the reference's 2e-4 suits hundreds of steps.
     c.optimizer.kl_control = True

@@ -1,6 +1,6 @@
 """Qwen2.5-7B shapes on GSM8K, laid out like the reference's measured run (memory planning).
 
-The reference (ALGORITHM.md, "public measured numbers"): Qwen2.5-Math-7B, GSM8K, GRPO variant,
+The reference (docs/algorithm.md, "public measured numbers"): Qwen2.5-Math-7B, GSM8K, GRPO variant,
 16 prompts × 8 responses per step, 2048 tokens, reference KL β = 0.01 (k3), 8 GPUs of which 4 train
 (FSDP) and 4 generate; peak per training GPU 36.13 GiB (dense AdamW) vs 19.36 GiB (LoGRA).
 Here: fp32 master weights, bf16 compute, per-layer remat, 512 prompt + 1536 completion tokens,

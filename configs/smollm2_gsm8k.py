@@ -10,7 +10,6 @@ start; the reference GRPO shape (16 prompts × 8 completions) is kept.
 """
 
 from configs import base
-from logra_jax.data import DEFAULT_INSTRUCTION
 
 
 def get_config():
@@ -18,7 +17,7 @@ def get_config():
     c.max_steps = 100
     c.data.source = "gsm8k"
     c.data.split = "train"
-    c.data.instruction = DEFAULT_INSTRUCTION
+    c.data.instruction = base.DEFAULT_INSTRUCTION
     c.data.prompts_per_step = 16
     c.rl.num_generations = 8
     c.rl.max_prompt_length = 320

@@ -65,8 +65,10 @@ def questions(config, data: str):
 def main(argv):
     del argv
     from logra_jax import checkpoint as checkpoint_lib
-    from logra_jax.rl import trainer as trainer_lib
+    from logra_jax import sharding as sharding_lib
+    from logra_jax.rl import build
     from logra_jax.rl.evaluation import greedy_accuracy
+    from logra_jax.rl.policy import Policy
     from logra_jax.rl.sampler import Sampler
 
     config = _CONFIG.value
@@ -76,14 +78,19 @@ def main(argv):
             if not (workdir / "checkpoints").is_dir():
                 raise FileNotFoundError(f"--run {label}={workdir}: no checkpoints folder there")
         name, examples, instruction = questions(config, _DATA.value)
-        t = trainer_lib.Trainer(config)
+        # Only what sampling needs: the mesh and the model (its initial weights are the template
+        # every checkpoint's params are restored into); no optimizer, no reference copy.
+        mesh = build.build_mesh(config.mesh)
+        model, tokenizer = build.build_model(config.model, mesh)
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"error: {e}")
-    sampler = Sampler(t.policy, max_prompt_length=_PROMPT_LEN.value,
-                      max_completion_length=_COMPLETION_LEN.value, eos_ids=t.sampler.eos_ids,
-                      pad_id=t.sampler.pad_id)
-    sharding = trainer_lib.batch_sharding(t.mesh, _BATCH.value)
-    params, _ = t.init_state()
+    policy = Policy(model)
+    params = Policy.params_of(model)
+    pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eos_id
+    sampler = Sampler(policy, max_prompt_length=_PROMPT_LEN.value,
+                      max_completion_length=_COMPLETION_LEN.value, eos_ids=[tokenizer.eos_id],
+                      pad_id=pad_id)
+    sharding = sharding_lib.batch_sharding(mesh, _BATCH.value)
     weights = {"initial": (0, params)} if _INITIAL.value else {}
     for label, workdir in runs.items():
         ckpt = checkpoint_lib.Checkpointer(workdir / "checkpoints")
@@ -101,7 +108,7 @@ def main(argv):
     report = {}
     for label, (step, p) in weights.items():
         try:
-            result = greedy_accuracy(sampler, p, t.tokenizer, examples, batch_size=_BATCH.value,
+            result = greedy_accuracy(sampler, p, tokenizer, examples, batch_size=_BATCH.value,
                                      instruction=instruction,
                                      system_prompt=config.data.system_prompt or None,
                                      batch_sharding=sharding)

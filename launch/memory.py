@@ -90,15 +90,15 @@ def rollout_devices_of(config, flag_value) -> int:
 def measure(config, optimizers, mesh_sizes, rollout_devices, micro_steps, explain):
     import jax
     from logra_jax import memory
-    from logra_jax import sharding as sharding_lib
+    from logra_jax.rl.build import build_mesh
 
     devices = jax.devices()
     if rollout_devices >= len(devices):
         raise ValueError(f"rollout_devices={rollout_devices} leaves no training device of {len(devices)}")
     training_devices = devices[:len(devices) - rollout_devices] if rollout_devices else devices
-    mesh = memory.training_mesh(mesh_sizes, training_devices)
-    rollout = (sharding_lib.make_mesh({"fsdp": rollout_devices, "tensor": 1},
-                                      devices=devices[len(devices) - rollout_devices:])
+    mesh = build_mesh(mesh_sizes, training_devices, spare_devices=True)
+    rollout = (build_mesh({"fsdp": rollout_devices, "tensor": 1},
+                          devices[len(devices) - rollout_devices:])
                if rollout_devices else mesh)
     steps, breakdowns = [], {}
     for name in optimizers:

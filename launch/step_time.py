@@ -84,9 +84,10 @@ def build(config, model_config, mesh, seed: int = 0):
     import jax
     import jax.numpy as jnp
     from flax import nnx
-    from jax.sharding import NamedSharding, PartitionSpec as P
     from logra_jax import memory
+    from logra_jax import sharding as sharding_lib
     from logra_jax.models import Decoder
+    from logra_jax.rl.build import build_policy_update
     from logra_jax.rl.policy import Policy, Sequences
     from logra_jax.rl.update import TrainBatch
 
@@ -99,8 +100,8 @@ def build(config, model_config, mesh, seed: int = 0):
     def init():
         return Policy.params_of(Decoder(model_config, rngs=nnx.Rngs(seed)))
     params = jax.jit(init, out_shardings=shardings)()
-    update, _, _ = memory.build_policy_update(config, policy)
-    opt_shardings = memory.opt_state_shardings(update.tx, abstract)
+    update = build_policy_update(config, policy)
+    opt_shardings = sharding_lib.opt_state_shardings(update.tx, abstract)
     opt_state = jax.jit(update.tx.init, out_shardings=opt_shardings)(params)
 
     rl = config.rl
@@ -114,17 +115,17 @@ def build(config, model_config, mesh, seed: int = 0):
     batch = TrainBatch(seqs=seqs, advantages=jax.random.normal(keys[1], (rows,)),
                        rollout_logp=-jax.random.uniform(keys[2], (rows, c)),
                        ref_logp=jnp.zeros((rows, c)), completed=jnp.ones((rows,), bool))
-    axis = "fsdp" if rows % mesh.shape["fsdp"] == 0 else None
-    batch = jax.device_put(batch, NamedSharding(mesh, P(axis)))
+    batch = jax.device_put(batch, sharding_lib.batch_sharding(mesh, rows))
     return update, params, opt_state, batch
 
 
 def time_widths(widths, layers, rows, prompt_length, completion_length, rank, dtype, repeats):
     """[(width, params, {optimizer: median ms}, {optimizer: XLA flops})] — see the module docstring."""
     import jax
-    from logra_jax import memory, model_shapes
+    from logra_jax import model_shapes
+    from logra_jax.rl.build import build_mesh
 
-    mesh = memory.training_mesh({"fsdp": -1, "tensor": 1}, jax.devices())
+    mesh = build_mesh({"fsdp": -1, "tensor": 1}, jax.devices(), spare_devices=True)
     results = []
     for width in widths:
         config = bench_config(width, layers, rows, prompt_length, completion_length, rank, dtype)
@@ -158,10 +159,11 @@ def time_widths(widths, layers, rows, prompt_length, completion_length, rank, dt
 def peak_memory(config, optimizer: str) -> dict:
     """One real update of ``config``'s model: device peak bytes vs XLA's prediction (per device)."""
     import jax
-    from logra_jax import memory, model_shapes
+    from logra_jax import model_shapes
+    from logra_jax.rl.build import build_mesh
 
     config.optimizer.name = optimizer
-    mesh = memory.training_mesh(dict(config.mesh), jax.devices())
+    mesh = build_mesh(dict(config.mesh), jax.devices(), spare_devices=True)
     model_config = model_shapes.model_config_from(config.model)
     update, params, opt_state, batch = build(config, model_config, mesh)
     predicted = update.jitted(params, opt_state).lower(params, opt_state, batch).compile().memory_analysis()

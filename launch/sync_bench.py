@@ -1,4 +1,4 @@
-"""Bytes per policy sync, trainer → rollout engine, for each sync mode (ALGORITHM.md §8).
+"""Bytes per policy sync, trainer → rollout engine, for each sync mode (docs/algorithm.md §8).
 
     python -m launch.sync_bench [--configs=configs/tiny.py,configs/default.py,configs/qwen2_5_7b_gsm8k.py]
                                 [--sparse_fraction=0.01] [--measure_updates=3]
@@ -33,7 +33,7 @@ _CONFIGS = flags.DEFINE_list(
     "Config files whose model shapes and sketch rank to tabulate.")
 _SPARSE_FRACTION = flags.DEFINE_float(
     "sparse_fraction", 0.01, "Assumed fraction of trainable bf16 entries that change per sync, for "
-    "the analytic sparse row (ALGORITHM.md §8: ~99 % of RL-step changes are below bf16 resolution).")
+    "the analytic sparse row (docs/algorithm.md §8: ~99 % of RL-step changes are below bf16 resolution).")
 _MEASURE_UPDATES = flags.DEFINE_integer(
     "measure_updates", 3, "Real updates per variant for the measured table (0: analytic only).")
 _MEASURE_CONFIG = flags.DEFINE_string(
@@ -111,18 +111,14 @@ def measured_table(config_path: str, updates: int) -> list[str]:
     import time
 
     import jax
-    import jax.numpy as jnp
     import numpy as np
-    from jax.sharding import NamedSharding, PartitionSpec as P
 
     from logra_jax import config as config_lib
     from logra_jax import sharding as sharding_lib
-    from logra_jax.optim import update_index
-    from logra_jax.rl import sync
-    from logra_jax.rl import trainer as trainer_lib
+    from logra_jax.rl import build, sync
     from logra_jax.rl.policy import Policy
-    from logra_jax.rl.sampler import Sampler
-    from logra_jax.rl.update import LossConfig, PolicyUpdate, TrainBatch
+    from logra_jax.rl.rollout import collect_rollouts, score
+    from logra_jax.rl.update import TrainBatch
 
     receivers = {"full": ("full", True), "sparse": ("sparse", True), "factors": ("factors", True),
                  "factors, no master": ("factors", False)}
@@ -132,55 +128,52 @@ def measured_table(config_path: str, updates: int) -> list[str]:
              "(mean abs log-prob) | trainable weights ≠ trainer's bf16 | sync time* |",
              "|---|---|---|---|---|---|---|---|"]
     train_devices, rollout_devices = sync.split_devices(4)
-    train_mesh = sharding_lib.make_mesh({"fsdp": 4, "tensor": 1}, train_devices)
-    rollout_mesh = sharding_lib.make_mesh({"fsdp": 2, "tensor": 2}, rollout_devices)
-    on_train, on_rollout = NamedSharding(train_mesh, P("fsdp")), NamedSharding(rollout_mesh, P("fsdp"))
+    train_mesh = build.build_mesh({"fsdp": 4, "tensor": 1}, train_devices)
+    rollout_mesh = build.build_mesh({"fsdp": 2, "tensor": 2}, rollout_devices)
     for variant, (opt_over, rl_over, _) in VARIANTS.items():
         config = config_lib.load_config_file(config_path)
         config.optimizer.update(opt_over)
         config.rl.update(rl_over)
         rl = config.rl
-        model, tokenizer = trainer_lib.build_model(config.model, train_mesh)
+        build.validate(config)
+        model, tokenizer = build.build_model(config.model, train_mesh)
         policy = Policy(model)
         params = Policy.params_of(model)
-        tx, sketch, train_others, kl_control = trainer_lib.build_optimizer(config.optimizer)
-        step = PolicyUpdate(policy, tx, LossConfig(algorithm=rl.algorithm), sketch=sketch,
-                            micro_batch_size=rl.micro_batch_size,
-                            probe_size=config.optimizer.probe_size, train_others=train_others,
-                            kl_control=kl_control, return_updates=True)
-        opt_state = jax.tree.map(lambda x: x if isinstance(x.sharding, NamedSharding)
-                                 else jax.device_put(x, NamedSharding(train_mesh, P())),
-                                 jax.jit(tx.init)(params))
-        sampler = Sampler(policy, max_prompt_length=rl.max_prompt_length,
-                          max_completion_length=rl.max_completion_length,
-                          eos_ids=[tokenizer.eos_id],
-                          pad_id=tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eos_id)
-        kw = dict(sketch=sketch, train_others=train_others)
+        optimizer = build.build_optimizer(config.optimizer)
+        # The trainer's own update: the config's whole loss (epsilon, beta, temperature, ...).
+        step = build.build_policy_update(config, policy, optimizer=optimizer, return_updates=True)
+        opt_state = jax.jit(optimizer.tx.init,
+                            out_shardings=sharding_lib.opt_state_shardings(optimizer.tx, params))(params)
+        sampler = build.build_sampler(rl, policy, tokenizer)
+        on_train = sharding_lib.batch_sharding(train_mesh, config.data.prompts_per_step * rl.num_generations)
+        on_rollout = sharding_lib.batch_sharding(rollout_mesh, config.data.prompts_per_step * rl.num_generations)
+        kw = dict(sketch=optimizer.sketch, train_others=optimizer.train_others)
         # One sender per receiver: factors and sparse messages are deltas numbered per sender.
         senders = {name: sync.SyncSender(mode, params, **kw) for name, (mode, _) in receivers.items()}
         engines = {name: sync.RolloutEngine(policy, params, sync.rollout_shardings(model, rollout_mesh),
                                             mode=mode, master_copy=master,
                                             temperature=rl.temperature, **kw)
                    for name, (mode, master) in receivers.items()}
-        data = trainer_lib.build_data(config.data, config.seed)
+        data = build.build_data(config.data, config.seed)
         stats = {name: dict(bytes=[], full=[], mismatch=[], time=[], changed=[]) for name in receivers}
         for i in range(updates):
-            ro = trainer_lib.collect_rollouts(sampler, engines["factors"].params, tokenizer,
-                                              data.next(), rl, config.data, jax.random.PRNGKey(i),
-                                              on_rollout)
-            rewards = trainer_lib.score(ro.texts, ro.golds, rl)
+            ro = collect_rollouts(sampler, engines["factors"].params, tokenizer, data.next(), rl,
+                                  config.data, jax.random.PRNGKey(i), on_rollout)
+            rewards = score(ro.texts, ro.golds, rl)
             # Random advantages: a real update even when every reward is equal (a random tiny
             # policy earns none); what is measured is the sync, not learning.
             adv = np.asarray(jax.random.normal(jax.random.PRNGKey(i), rewards.shape))
             seqs, logp, completed = jax.device_put((ro.seqs, ro.rollout_logp, ro.completed), on_train)
+            # The sampler's log-probs stand in for a reference (a KL penalty, if the config has one,
+            # then starts near zero).
             batch = TrainBatch(seqs=seqs, advantages=jax.device_put(adv, on_train), rollout_logp=logp,
-                               ref_logp=jnp.zeros_like(logp), completed=completed)
-            k = int(update_index(opt_state))
-            params, opt_state, _, low_rank = step(params, opt_state, batch)
+                               ref_logp=logp, completed=completed)
+            params, opt_state, _, compact = step(params, opt_state, batch)
             probe = jax.tree.map(lambda x: x[:2], seqs)
             for name, (mode, _) in receivers.items():
                 tic = time.perf_counter()
-                message = senders[name].message(params, updates=low_rank, update_index=k)
+                message = senders[name].message(params, updates=compact.low_rank,
+                                                update_index=int(compact.update_index))
                 engines[name].receive(message)
                 jax.block_until_ready(engines[name].params)
                 stats[name]["time"].append(time.perf_counter() - tic)

@@ -23,7 +23,6 @@ import dataclasses
 import math
 import pathlib
 import re
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -35,9 +34,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from logra_jax import model_shapes
 from logra_jax import sharding as sharding_lib
 from logra_jax.models import Decoder, ModelConfig
-from logra_jax.optim.targets import leaves_with_paths, map_with_paths, sharding_without_in_dim
+from logra_jax.rl import build
 from logra_jax.rl.policy import Policy, Sequences
-from logra_jax.rl.update import LossConfig, PolicyUpdate, TrainBatch, sketch_shardings
+from logra_jax.rl.update import TrainBatch
+from logra_jax.tree_paths import leaves_with_paths
 
 GIB = 2 ** 30
 
@@ -63,25 +63,6 @@ def device_bytes(tree) -> int:
 # ----------------------------------------------------------------------------------------------
 # Abstract training state with the trainer's shardings
 # ----------------------------------------------------------------------------------------------
-def training_mesh(mesh_sizes: dict[str, int], devices) -> Mesh:
-    """The mesh over the first devices; an axis of -1 takes what the others leave of ``devices``."""
-    sizes = dict(mesh_sizes)
-    free = [name for name, size in sizes.items() if size == -1]
-    if len(free) > 1:
-        raise ValueError(f"mesh: at most one axis may be -1, got {sizes}")
-    fixed = math.prod(size for size in sizes.values() if size != -1)
-    if free:
-        if len(devices) % fixed:
-            raise ValueError(f"mesh {sizes}: {len(devices)} training devices are not divisible by "
-                             f"{fixed}")
-        sizes[free[0]] = len(devices) // fixed
-    needed = math.prod(sizes.values())
-    if needed > len(devices):
-        raise ValueError(f"mesh {sizes} needs {needed} devices, only {len(devices)} are available "
-                         f"for training (raise LOGRA_HOST_DEVICES or lower rollout_devices)")
-    return sharding_lib.make_mesh(sizes, devices=list(devices)[:needed])
-
-
 def abstract_model(model_config: ModelConfig) -> nnx.Module:
     """The Decoder with ShapeDtypeStructs instead of arrays: no memory, any size."""
     return nnx.eval_shape(lambda: Decoder(model_config, rngs=nnx.Rngs(0)))
@@ -101,47 +82,8 @@ def abstract_params(model: nnx.Module, mesh: Mesh, rules=None) -> dict:
     return nnx.to_pure_dict(placed)
 
 
-def _owning_param(path: str, params_by_path: dict[str, Any]) -> str | None:
-    """The longest param path that ``path`` ends with (optax nests param-shaped trees in state)."""
-    best = None
-    for candidate in params_by_path:
-        if path == candidate or path.endswith("/" + candidate):
-            if best is None or len(candidate) > len(best):
-                best = candidate
-    return best
-
-
-def opt_state_shardings(tx, params):
-    """Shardings for ``tx.init(params)``: each leaf like the parameter it belongs to.
-
-    A leaf shaped like its parameter (Adam's m and v) takes the parameter's sharding; one shaped
-    like the parameter without its ``in`` dimension (RowAdam's per-row v, shape (*stack, out))
-    takes that sharding with the ``in`` entry dropped; counters and other leaves are replicated.
-    ``jax.jit(tx.init)`` cannot be used for this: its outputs do not depend on the params' values,
-    so XLA places them all on one device.
-    """
-    params_by_path = dict(leaves_with_paths(params))
-    mesh = next(x.sharding.mesh for x in params_by_path.values()
-                if isinstance(x.sharding, NamedSharding))
-    replicated = NamedSharding(mesh, P())
-    shapes = jax.eval_shape(tx.init, params)
-
-    def one(path, leaf):
-        owner = _owning_param(path, params_by_path)
-        if owner is None or leaf.ndim == 0:
-            return replicated
-        param = params_by_path[owner]
-        if tuple(leaf.shape) == tuple(param.shape):
-            return param.sharding
-        if param.ndim >= 2 and tuple(leaf.shape) == tuple(param.shape[:-2]) + (param.shape[-1],):
-            return sharding_without_in_dim(param, keep_last=False)
-        return replicated
-
-    return map_with_paths(one, shapes)
-
-
 def abstract_opt_state(tx, params):
-    shardings = opt_state_shardings(tx, params)
+    shardings = sharding_lib.opt_state_shardings(tx, params)
     shapes = jax.eval_shape(tx.init, params)
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                         shapes, shardings)
@@ -149,8 +91,7 @@ def abstract_opt_state(tx, params):
 
 def abstract_batch(mesh: Mesh, rows: int, prompt_length: int, completion_length: int) -> TrainBatch:
     """A TrainBatch of ShapeDtypeStructs, rows sharded over ``fsdp`` as the trainer shards them."""
-    axis = "fsdp" if "fsdp" in mesh.shape and rows % mesh.shape["fsdp"] == 0 else None
-    sharding = NamedSharding(mesh, P(axis))
+    sharding = sharding_lib.batch_sharding(mesh, rows)
     total = prompt_length + completion_length
 
     def spec(shape, dtype):
@@ -175,7 +116,7 @@ def gradient_bytes(params, sketch, train_others: bool) -> int:
     """
     if sketch is None:
         return device_bytes(params)
-    layouts = sketch_shardings(params, sketch)
+    layouts = sharding_lib.sketch_shardings(params, sketch)
     total = 0
     for path, leaf in leaves_with_paths(params):
         if sketch.is_target(path):
@@ -217,20 +158,6 @@ class StepMemory:
         return self.temporaries - self.gradients
 
 
-def build_policy_update(config: ml_collections.ConfigDict, policy: Policy):
-    """(PolicyUpdate, SketchSpec or None, train_others) exactly as the Trainer builds them."""
-    from logra_jax.rl.trainer import build_optimizer  # the trainer's own optimizer factory
-    tx, sketch, train_others, kl_control = build_optimizer(config.optimizer)
-    rl = config.rl
-    loss = LossConfig(algorithm=rl.algorithm, epsilon=rl.epsilon, epsilon_high=rl.epsilon_high or None,
-                      beta=rl.beta, kl_estimator=rl.kl_estimator, loss_agg_mode=rl.loss_agg_mode,
-                      is_cap=rl.is_cap, temperature=rl.temperature)
-    update = PolicyUpdate(policy, tx, loss, micro_batch_size=rl.micro_batch_size,
-                          probe_size=config.optimizer.probe_size, sketch=sketch,
-                          train_others=train_others, kl_control=kl_control)
-    return update, sketch, train_others
-
-
 def update_step_memory(config: ml_collections.ConfigDict, mesh: Mesh, *, micro_steps: int | None = None,
                        dump_dir: str | pathlib.Path | None = None) -> StepMemory:
     """Compiles one update of ``config`` (model shape, optimizer, batch) on ``mesh``; no arrays.
@@ -243,7 +170,9 @@ def update_step_memory(config: ml_collections.ConfigDict, mesh: Mesh, *, micro_s
     model = abstract_model(model_config)
     policy = Policy(model)
     params = abstract_params(model, mesh)
-    update, sketch, train_others = build_policy_update(config, policy)
+    optimizer = build.build_optimizer(config.optimizer)
+    update = build.build_policy_update(config, policy, optimizer=optimizer)
+    sketch, train_others = optimizer.sketch, optimizer.train_others
     opt_state = abstract_opt_state(update.tx, params)
 
     rl = config.rl

@@ -6,7 +6,7 @@ import pytest
 
 from logra_jax.data import load_gsm8k
 from logra_jax.data.gsm8k import parse_gsm8k_line
-from logra_jax.rl.rewards import normalize_answer
+from logra_jax.data.answers import normalize_answer
 
 
 def write_jsonl(path, records):

@@ -8,7 +8,7 @@ import pytest
 
 from logra_jax.data import make_task_source
 from logra_jax.data.tasks import TASKS, task_knobs
-from logra_jax.rl.rewards import normalize_answer
+from logra_jax.data.answers import normalize_answer
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.USub: operator.neg}
 

@@ -85,3 +85,13 @@ def test_checkpoint_roundtrip_keeps_values_and_shardings(tmp_path):
     with pytest.raises(ValueError, match="keep"):
         checkpoint.Checkpointer(tmp_path / "x", keep=0)
     json.dumps(meta)
+
+
+def test_config_defaults_equal_the_librarys():
+    """configs/ import nothing from the library, so their copies of its defaults are checked here."""
+    from configs import base
+    from logra_jax.data import DEFAULT_INSTRUCTION
+    from logra_jax.optim import DEFAULT_TARGETS
+    assert base.DEFAULT_TARGETS == DEFAULT_TARGETS
+    assert base.DEFAULT_INSTRUCTION == DEFAULT_INSTRUCTION
+    assert base.get_config().optimizer.targets == DEFAULT_TARGETS

@@ -22,9 +22,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from configs import tiny
 from logra_jax import memory, model_shapes
-from logra_jax.optim.targets import leaves_with_paths
-from logra_jax.rl.trainer import build_optimizer
-from logra_jax.rl.update import sketch_shardings
+from logra_jax.tree_paths import leaves_with_paths
+from logra_jax.rl.build import build_mesh, build_optimizer
+from logra_jax.sharding import opt_state_shardings, sketch_shardings
 
 REPO = Path(__file__).resolve().parents[1]
 MESH = {"fsdp": 4, "tensor": 2}
@@ -59,7 +59,7 @@ def report(tmp_path_factory):
 def shapes():
     """Abstract params of the tiny config on the same mesh, and the two optimizers."""
     config = tiny.get_config()
-    mesh = memory.training_mesh(MESH, jax.devices())
+    mesh = build_mesh(MESH, jax.devices(), spare_devices=True)
     model = memory.abstract_model(model_shapes.model_config_from(config.model))
     params = memory.abstract_params(model, mesh)
     return config, model, params
@@ -110,7 +110,7 @@ def test_adamw_state_is_two_fp32_copies_of_the_params(report):
 
 def test_logra_state_is_row_moments_plus_adam_of_the_others(report, shapes):
     config, _, params = shapes
-    _, sketch, _, _ = build_optimizer(config.optimizer)
+    sketch = build_optimizer(config.optimizer).sketch
     moments = others = sketches = 0
     layouts = sketch_shardings(params, sketch)
     for path, x in leaves_with_paths(params):
@@ -158,8 +158,8 @@ def test_opt_state_and_sketch_shardings(shapes):
     config, _, params = shapes
     for name in ("adamw", "logra"):
         config.optimizer.name = name
-        tx, sketch, _, _ = build_optimizer(config.optimizer)
-        layout = dict(leaves_with_paths(memory.opt_state_shardings(tx, params)))
+        tx, sketch, *_ = build_optimizer(config.optimizer)
+        layout = dict(leaves_with_paths(opt_state_shardings(tx, params)))
         kernel = params["layers"]["self_attn"]["q_proj"]["kernel"]        # (L, embed, heads)
         assert kernel.sharding.spec == P(None, "fsdp", "tensor")
         if name == "adamw":
@@ -191,9 +191,9 @@ def test_bad_input_is_one_clear_error(shapes):
     with pytest.raises(ValueError, match="has weights, not a shape"):
         model_shapes.model_config_from(config.model)
     with pytest.raises(ValueError, match=r"needs 16 devices, only 8"):
-        memory.training_mesh({"fsdp": 16, "tensor": 1}, jax.devices())
+        build_mesh({"fsdp": 16, "tensor": 1}, jax.devices(), spare_devices=True)
     config = tiny.get_config()
-    mesh = memory.training_mesh({"fsdp": 2, "tensor": 1}, jax.devices())
+    mesh = build_mesh({"fsdp": 2, "tensor": 1}, jax.devices(), spare_devices=True)
     with pytest.raises(ValueError, match="micro_steps must be positive"):
         memory.update_step_memory(config, mesh, micro_steps=0)
 

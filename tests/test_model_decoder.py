@@ -11,7 +11,7 @@ from flax import nnx
 from logra_jax.models import Decoder, KVCache, ModelConfig, model_from_weights, token_logprobs
 from logra_jax.models.config import tiny
 from logra_jax.models.llama import LAYER_LINEARS
-from logra_jax.optim.projections import SketchProbe, projection_keys
+from logra_jax.projections import SketchProbe, projection_keys
 from logra_jax.sharding import make_mesh
 
 CONFIG = tiny()

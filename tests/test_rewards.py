@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from logra_jax.rl.rewards import extract_answer, format_reward, math_reward, normalize_answer
+from logra_jax.data.answers import extract_answer, normalize_answer
+from logra_jax.rl.rewards import format_reward, math_reward
 
 
 @pytest.fixture(scope="module")

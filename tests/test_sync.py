@@ -1,4 +1,4 @@
-"""Policy sync trainer → rollout engine (ALGORITHM.md §8) on disjoint 4 + 4 device meshes.
+"""Policy sync trainer → rollout engine (docs/algorithm.md §8) on disjoint 4 + 4 device meshes.
 
 The trainer (PolicyUpdate, the real jitted step) runs on 4 devices (fsdp 4); each rollout engine on
 the other 4 (fsdp 2 × tensor 2: a different sharding; the exact factors receiver also on fsdp 4 ×
@@ -19,14 +19,14 @@ from configs import tiny as tiny_config
 from logra_jax import sharding as sharding_lib
 from logra_jax.models import Decoder
 from logra_jax.models.config import tiny
-from logra_jax.optim import LowRankUpdate, SketchSpec, logra, update_index
-from logra_jax.optim.targets import leaves_with_paths
-from logra_jax.rl import sync, sync_sparse
-from logra_jax.rl import trainer as trainer_lib
+from logra_jax.optim import LowRankUpdate, SketchSpec, logra
+from logra_jax.rl import build, sync, sync_sparse
 from logra_jax.rl.policy import Policy, Sequences
+from logra_jax.rl.rollout import collect_rollouts, score
 from logra_jax.rl.sampler import Sampler
 from logra_jax.rl.sync_bytes import sync_bytes
 from logra_jax.rl.update import LossConfig, PolicyUpdate, TrainBatch
+from logra_jax.tree_paths import leaves_with_paths
 
 PROMPT, STEPS, ROWS = 8, 6, 8
 SPEC = SketchSpec(rank=8, seed=3)
@@ -84,8 +84,8 @@ def _train_and_sync(run, params, opt_state, next_batch, updates_count):
            "u_itemsize": None}
     for i in range(updates_count):
         batch = next_batch(i, params, engines["factors"])
-        k = int(update_index(opt_state))  # read before the step donates opt_state
-        params, opt_state, metrics, updates = run["step"](params, opt_state, batch)
+        params, opt_state, metrics, compact = run["step"](params, opt_state, batch)
+        updates, k = compact.low_rank, int(compact.update_index)  # k: the update's own index
         assert np.isfinite(float(metrics["loss"]))
         log["u_itemsize"] = next(iter(updates.values())).factor.dtype.itemsize
         probe = jax.tree.map(lambda x: x[:2], batch.seqs)
@@ -158,24 +158,20 @@ def tiny_grpo():
     config.optimizer.weight_decay = 0.1  # weight_scale ≠ 1 must reach the receiver too
     rl = config.rl
     train_devices, rollout_devices, train_mesh, rollout_mesh = _meshes()
-    model, tokenizer = trainer_lib.build_model(config.model, train_mesh)
+    model, tokenizer = build.build_model(config.model, train_mesh)
     policy = Policy(model)
     params = Policy.params_of(model)
-    tx, sketch, train_others, kl_control = trainer_lib.build_optimizer(config.optimizer)
-    step = PolicyUpdate(policy, tx, LossConfig(algorithm=rl.algorithm), sketch=sketch,
-                        micro_batch_size=rl.micro_batch_size, probe_size=config.optimizer.probe_size,
-                        train_others=train_others, kl_control=kl_control, return_updates=True)
-    sampler = Sampler(policy, max_prompt_length=rl.max_prompt_length,
-                      max_completion_length=rl.max_completion_length, eos_ids=[tokenizer.eos_id],
-                      pad_id=tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eos_id)
-    data = trainer_lib.build_data(config.data, config.seed)
+    tx, sketch, train_others, kl_control, _ = optimizer = build.build_optimizer(config.optimizer)
+    step = build.build_policy_update(config, policy, optimizer=optimizer, return_updates=True)
+    sampler = build.build_sampler(rl, policy, tokenizer)
+    data = build.build_data(config.data, config.seed)
     on_rollout, on_train = NamedSharding(rollout_mesh, P("fsdp")), NamedSharding(train_mesh, P("fsdp"))
 
     def next_batch(i, params, engine):
-        ro = trainer_lib.collect_rollouts(sampler, engine.params, tokenizer, data.next(), rl,
-                                          config.data, jax.random.PRNGKey(i), on_rollout)
+        ro = collect_rollouts(sampler, engine.params, tokenizer, data.next(), rl, config.data,
+                              jax.random.PRNGKey(i), on_rollout)
         assert set(ro.rollout_logp.devices()) == set(rollout_devices)
-        rewards = trainer_lib.score(ro.texts, ro.golds, rl)
+        rewards = score(ro.texts, ro.golds, rl)
         # A random policy earns no reward; random advantages still give a real update.
         adv = np.asarray(jax.random.normal(jax.random.PRNGKey(i), rewards.shape))
         seqs, logp, completed = jax.device_put((ro.seqs, ro.rollout_logp, ro.completed), on_train)

@@ -7,8 +7,10 @@ import pytest
 
 from configs import tiny
 from logra_jax import config as config_lib, metrics
-from logra_jax.optim.targets import leaves_with_paths
+from logra_jax.tree_paths import leaves_with_paths
+from logra_jax.rl import build
 from logra_jax.rl import trainer as trainer_lib
+from logra_jax.rl.rollout import collect_rollouts
 from logra_jax.rl.update import TrainBatch
 
 VARIANTS = {
@@ -63,10 +65,9 @@ def test_end_to_end_logs_finite_metrics(name, trainers, tmp_path):
 def _synthetic_batch(trainer, seed=0):
     """Real rollouts of the tiny policy with random advantages (its rewards are all zero)."""
     config = trainer.config
-    data = trainer_lib.build_data(config.data, config.seed)
-    ro = trainer_lib.collect_rollouts(trainer.sampler, trainer.init_state()[0], trainer.tokenizer,
-                                      data.next(), config.rl, config.data, jax.random.PRNGKey(seed),
-                                      trainer.batch_sharding)
+    data = build.build_data(config.data, config.seed)
+    ro = collect_rollouts(trainer.sampler, trainer.init_state()[0], trainer.tokenizer, data.next(),
+                          config.rl, config.data, jax.random.PRNGKey(seed), trainer.batch_sharding)
     adv = jax.random.normal(jax.random.PRNGKey(seed + 1), ro.completed.shape)
     return TrainBatch(seqs=ro.seqs, advantages=adv, rollout_logp=ro.rollout_logp,
                       ref_logp=jnp.zeros_like(ro.rollout_logp), completed=ro.completed)

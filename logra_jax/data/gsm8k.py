@@ -21,7 +21,7 @@ import re
 import tensorflow_datasets as tfds
 
 from logra_jax.data.example import Example
-from logra_jax.rl.rewards import normalize_answer
+from logra_jax.data.answers import normalize_answer
 
 GOLD_MARKER = "####"
 

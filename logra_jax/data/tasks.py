@@ -24,7 +24,7 @@ import reasoning_gym
 from reasoning_gym.factory import DATASETS as _RG_DATASETS
 
 from logra_jax.data.example import Example
-from logra_jax.rl.rewards import normalize_answer
+from logra_jax.data.answers import normalize_answer
 
 TASKS: tuple[str, ...] = ("chain_sum", "basic_arithmetic", "gsm_symbolic")
 

@@ -1,7 +1,7 @@
 """The one linear layer every attention and MLP projection uses, with the LoGRA sketch probe.
 
 Without a probe it is y = x·W (Flax layout: ``kernel`` = Wᵀ, shape (in, out)). With a probe
-(ALGORITHM.md §3) it computes
+(docs/algorithm.md §3) it computes
 
     y = x·kernel + (x·Aᵀ)·Bᵀ,      B = probe.factor = 0 (out × r)
 
@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.custom_derivatives import SymbolicZero
 
-from logra_jax.optim.projections import SketchProbe
+from logra_jax.projections import SketchProbe
 
 
 @jax.custom_jvp

@@ -21,7 +21,7 @@ from flax import nnx
 from logra_jax.models.config import ModelConfig
 from logra_jax.models.kv_cache import KVCache
 from logra_jax.models.linear import Linear
-from logra_jax.optim.projections import SketchProbe
+from logra_jax.projections import SketchProbe
 from logra_jax.sharding import get_logical_axes, set_logical_axes, shard_batch
 
 # The stacked linear layers a SketchProbe may target, by kernel path, and their in/out logical axes.

@@ -1,6 +1,11 @@
-"""LoGRA as optax transformations (ALGORITHM.md §2–6).
+"""LoGRA as optax transformations (docs/algorithm.md §2–6).
 
-- projections.py  A_l(k), never stored; the SketchProbe a target Linear takes
+LoGRA is the method of "Scaling LLM Reinforcement Learning with Low-Rank Gradient Sketches"
+(Zhang et al., arXiv 2610.06647). These modules import one another without cycles, and outside
+optim/ only the package's bottom layer (projections.py: A_l(k) and the SketchProbe a target Linear
+takes; tree_paths.py; sharding.py):
+
+- order_free.py   U·A with the same bits on every backend and mesh (the merge's product, §5)
 - targets.py      which weights are sketched (SketchSpec) and the trainer's probe/split/merge helpers
 - row_adam.py     RowAdam (§4): sketch → direction D; state = v per output row
 - predicted_kl.py predicted-KL step control (§6) and the JVP helper that predicts KL
@@ -15,7 +20,7 @@ from logra_jax.optim.low_rank import LowRankUpdate, apply_updates
 from logra_jax.optim.predicted_kl import (PredictedKLState, exact_kl, exact_kl_from_hidden,
                                           kl_budget_schedule, make_predict_kl,
                                           predicted_kl_from_tangent, scale_by_predicted_kl)
-from logra_jax.optim.projections import SketchProbe, projection, projection_keys
+from logra_jax.projections import SketchProbe, projection, projection_keys
 from logra_jax.optim.row_adam import RowAdamState, scale_by_row_adam
 from logra_jax.optim.targets import (DEFAULT_TARGETS, SketchSpec, TargetInfo, make_probes,
                                      merge_targets, probe_factors, split_targets, with_factors)

@@ -21,7 +21,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from logra_jax.optim.predicted_kl import PredictedKLState, scale_by_predicted_kl
 from logra_jax.optim.row_adam import RowAdamState, scale_by_row_adam
-from logra_jax.optim.targets import DEFAULT_TARGETS, SketchSpec, map_with_paths
+from logra_jax.optim.targets import DEFAULT_TARGETS, SketchSpec
+from logra_jax.tree_paths import map_with_paths
 from logra_jax.optim.transforms import (LowRankState, ReconstructedNormState, SkipNonFiniteState,
                                         UpdateRatioState, clip_by_reconstructed_norm,
                                         scale_by_step_size, scale_by_update_ratio, skip_nonfinite,

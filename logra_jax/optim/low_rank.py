@@ -1,5 +1,5 @@
 """Sketch-space arithmetic that needs A: sketching a dense gradient, reconstructed norms, and
-merging a low-rank update into the weights (ALGORITHM.md §3, §5, §8).
+merging a low-rank update into the weights (docs/algorithm.md §3, §5, §8).
 
 The merge's product U·A is order-free (order_free.py): the same bits wherever it runs, which is what
 makes a factors sync exact. Sketches and norms need no such guarantee and use plain fp32 dots.
@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from logra_jax.optim.order_free import order_free_matmul, rounded
-from logra_jax.optim.projections import projection, projection_parts
+from logra_jax.projections import projection, projection_parts
 
 _HIGHEST = jax.lax.Precision.HIGHEST  # fp32 arithmetic on every backend (no TF32/bf16 passes)
 
@@ -88,6 +88,7 @@ class LowRankUpdate:
     distribution: str = dataclasses.field(default="rademacher", metadata=dict(static=True))
 
     __array_ufunc__ = None  # make numpy defer `ndarray + LowRankUpdate` to __radd__
+    tree_path_leaf = True   # one leaf for tree_paths.leaves_with_paths, not its factor and key
 
     @property
     def stack_shape(self) -> tuple[int, ...]:

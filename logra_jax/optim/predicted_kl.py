@@ -1,4 +1,4 @@
-r"""Predicted-KL step control: size each update by the policy change it will cause (ALGORITHM.md §6).
+r"""Predicted-KL step control: size each update by the policy change it will cause (docs/algorithm.md §6).
 
 For a candidate update d, one forward-mode pass over a small probe batch gives the logit change
 δz = J·d. Per response token, with temperature T, p = softmax(z/T) and u = δz/T,
@@ -26,7 +26,7 @@ import optax
 
 from logra_jax.optim import low_rank
 from logra_jax.optim.low_rank import LowRankUpdate
-from logra_jax.optim.targets import map_with_paths
+from logra_jax.tree_paths import map_with_paths
 
 
 def _masked_mean(per_token: jax.Array, mask: jax.Array) -> jax.Array:

@@ -1,4 +1,4 @@
-r"""RowAdam: Adam's second moment kept per output row of each sketched matrix (ALGORITHM.md §4).
+r"""RowAdam: Adam's second moment kept per output row of each sketched matrix (docs/algorithm.md §4).
 
 For a target with sketch S (out × r) at update t (1-based):
 
@@ -24,8 +24,9 @@ import jax.numpy as jnp
 import optax
 
 from logra_jax.optim import low_rank
-from logra_jax.optim.targets import (SketchSpec, TargetInfo, leaves_with_paths, map_with_paths,
-                                     require_params, sharding_without_in_dim)
+from logra_jax.optim.targets import SketchSpec, TargetInfo, require_params
+from logra_jax.sharding import sharding_without_in_dim
+from logra_jax.tree_paths import leaves_with_paths, map_with_paths
 
 VARIANTS = ("grpo", "kl", "sgd")
 _TINY = float(jnp.finfo(jnp.float32).tiny)

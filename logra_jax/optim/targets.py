@@ -1,4 +1,4 @@
-"""Which weights LoGRA sketches, and the trainer-facing plumbing around them (ALGORITHM.md §1–3).
+"""Which weights LoGRA sketches, and the trainer-facing plumbing around them (docs/algorithm.md §1–3).
 
 A *target* is a parameter whose '/'-joined path matches ``SketchSpec.targets`` (by default the
 q/k/v/o/gate/up/down projection kernels). Its leaf has Flax kernel layout (*stack, in, out) with
@@ -24,55 +24,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import NamedSharding, PartitionSpec
 
-from logra_jax.optim.low_rank import LowRankUpdate
-from logra_jax.optim.projections import DISTRIBUTIONS, SketchProbe, projection_keys
+from logra_jax.projections import DISTRIBUTIONS, SketchProbe, projection_keys
+from logra_jax.sharding import sharding_without_in_dim
+from logra_jax.tree_paths import leaves_with_paths, map_with_paths, path_str
 
 # The attention and MLP projections of Llama-family models, by the end of their kernel path.
 DEFAULT_TARGETS = r"(^|/)(q|k|v|o|gate|up|down)_proj/kernel$"
-
-
-def path_str(keypath: tuple) -> str:
-    """'/'-join of a pytree key path: ("layers", "mlp", "up_proj", "kernel") → "layers/mlp/up_proj/kernel".
-
-    A trailing ``.value`` attribute (how an ``nnx.Variable`` exposes its array) is dropped, so an
-    ``nnx.State`` of Variables and its pure-dict form give the same paths.
-    """
-    parts = []
-    for entry in keypath:
-        if isinstance(entry, jax.tree_util.DictKey):
-            parts.append(str(entry.key))
-        elif isinstance(entry, jax.tree_util.SequenceKey):
-            parts.append(str(entry.idx))
-        elif isinstance(entry, jax.tree_util.GetAttrKey):
-            parts.append(entry.name)
-        elif isinstance(entry, jax.tree_util.FlattenedIndexKey):
-            parts.append(str(entry.key))
-        else:
-            parts.append(str(entry))
-    if keypath and isinstance(keypath[-1], jax.tree_util.GetAttrKey) and parts[-1] == "value":
-        parts.pop()
-    return "/".join(parts)
-
-
-def _is_update_leaf(x) -> bool:
-    return x is None or isinstance(x, (LowRankUpdate, SketchProbe))
-
-
-def leaves_with_paths(tree) -> list[tuple[str, Any]]:
-    """[(path string, leaf)] for every array leaf; a LowRankUpdate or SketchProbe counts as one leaf.
-
-    ``None`` and ``optax.MaskedNode`` holes are skipped.
-    """
-    flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_update_leaf)
-    return [(path_str(kp), leaf) for kp, leaf in flat if leaf is not None]
-
-
-def map_with_paths(fn, tree, *rest):
-    """tree_map(fn(path, leaf, *rest_leaves)) treating LowRankUpdate/SketchProbe/None as leaves."""
-    return jax.tree_util.tree_map_with_path(lambda kp, x, *r: fn(path_str(kp), x, *r), tree, *rest,
-                                            is_leaf=_is_update_leaf)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,20 +136,6 @@ class SketchSpec:
     def keys(self, info: TargetInfo, update_index: jax.Array | int) -> jax.Array:
         """PRNG key data of A for every layer of the target: shape (*stack, 2)."""
         return projection_keys(self.seed, info.path, update_index, info.stack_shape)
-
-
-def sharding_without_in_dim(param, keep_last: bool) -> NamedSharding | None:
-    """The param's NamedSharding with its ``in`` entry dropped (for v and sketches), if it has one.
-
-    ``keep_last`` appends a replicated entry (the rank dim of a sketch). Only concrete arrays carry
-    a sharding; under tracing this returns None and XLA's propagation decides.
-    """
-    sharding = getattr(param, "sharding", None)
-    if not isinstance(sharding, NamedSharding) or isinstance(param, jax.core.Tracer):
-        return None
-    spec = tuple(sharding.spec) + (None,) * (param.ndim - len(sharding.spec))
-    new = spec[:-2] + spec[-1:] + ((None,) if keep_last else ())
-    return NamedSharding(sharding.mesh, PartitionSpec(*new))
 
 
 def make_probes(params, update_index: jax.Array | int, spec: SketchSpec,

@@ -1,4 +1,4 @@
-"""The optax pieces around RowAdam that turn a sketch into a weight update (ALGORITHM.md §5).
+"""The optax pieces around RowAdam that turn a sketch into a weight update (docs/algorithm.md §5).
 
 Order inside ``logra(...)``::
 
@@ -25,7 +25,8 @@ import optax
 from logra_jax.optim import low_rank
 from logra_jax.optim.low_rank import LowRankUpdate
 from logra_jax.optim.row_adam import as_sketch
-from logra_jax.optim.targets import SketchSpec, leaves_with_paths, map_with_paths, require_params
+from logra_jax.optim.targets import SketchSpec, require_params
+from logra_jax.tree_paths import leaves_with_paths, map_with_paths
 
 _TINY = float(jnp.finfo(jnp.float32).tiny)
 

@@ -1,4 +1,4 @@
-"""Policy-gradient losses of the RL loop (ALGORITHM.md §7): GRPO and the KL variant's REINFORCE.
+"""Policy-gradient losses of the RL loop (docs/algorithm.md §7): GRPO and the KL variant's REINFORCE.
 
 Pure jax functions on arrays, jit-able; string options (``kl_estimator``, ``loss_agg_mode``) are
 static Python values. Shapes: ``b`` sequences (prompts × generations, flattened), ``t`` completion
@@ -155,7 +155,7 @@ def grpo_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, mask:
 def reinforce_loss(logp: jax.Array, rollout_logp: jax.Array, advantages: jax.Array,
                    mask: jax.Array, *, is_cap: float = 2.0, loss_agg_mode: str = "token-mean",
                    ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """REINFORCE with truncated importance weights: the KL variant's loss (ALGORITHM.md §7).
+    """REINFORCE with truncated importance weights: the KL variant's loss (docs/algorithm.md §7).
 
     The rollout engine's policy π_rollout sampled the tokens; the trainer's π_θ differs slightly
     (numerics, stale weights). Per token, with the outcome advantage A = outcome − baseline:

@@ -1,4 +1,4 @@
-"""Policy synchronisation, trainer → rollout engine (ALGORITHM.md §8).
+"""Policy synchronisation, trainer → rollout engine (docs/algorithm.md §8).
 
 The rollout engine holds the sampler's weights in the sampler dtype (bf16), placed with the rollout
 mesh's shardings: on the trainer's own mesh (colocated) or on a disjoint set of devices (e.g. 4 of
@@ -55,7 +55,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from logra_jax import sharding as sharding_lib
 from logra_jax.optim.low_rank import LowRankUpdate
-from logra_jax.optim.targets import SketchSpec, leaves_with_paths, sharding_without_in_dim
+from logra_jax.optim.targets import SketchSpec
+from logra_jax.sharding import sharding_without_in_dim
+from logra_jax.tree_paths import leaves_with_paths
 from logra_jax.rl import sync_sparse
 from logra_jax.rl.policy import Policy, Sequences
 from logra_jax.rl.sync_bytes import trainable_paths

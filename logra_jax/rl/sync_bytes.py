@@ -1,4 +1,4 @@
-"""What a policy sync sends and how many bytes that is, from parameter shapes alone (ALGORITHM.md §8).
+"""What a policy sync sends and how many bytes that is, from parameter shapes alone (docs/algorithm.md §8).
 
 With n_l the entries of leaf l, b the sampler's bytes per entry (2 for bf16) and f the factor's
 (2 for the KL variant's bf16 U, 4 for the GRPO variant's fp32 U):
@@ -20,7 +20,8 @@ import math
 
 import numpy as np
 
-from logra_jax.optim.targets import SketchSpec, leaves_with_paths
+from logra_jax.optim.targets import SketchSpec
+from logra_jax.tree_paths import leaves_with_paths
 
 INDEX_BYTES = 4        # int32 flat index of a sparse entry; also the update index k
 SCALE_BYTES = 4        # fp32 weight_scale per target

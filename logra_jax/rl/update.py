@@ -1,6 +1,6 @@
 """One policy update, jitted: micro-batched gradients → optimizer → merge → realized KL on the probe.
 
-With LoGRA the gradient of every target is its sketch S = G·Aᵀ (ALGORITHM.md §3): the loss is
+With LoGRA the gradient of every target is its sketch S = G·Aᵀ (docs/algorithm.md §3): the loss is
 differentiated with respect to the zero probe factors B, never the target kernels, and the
 micro-batch sum lives in sketch space (out × r per target), so no full-size gradient accumulator
 exists. Dense AdamW, the baseline, runs the same loop with ordinary gradients.
@@ -16,12 +16,13 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 
 from logra_jax.optim import (LowRankUpdate, SketchSpec, apply_updates, exact_kl_from_hidden,
                              make_predict_kl, make_probes, merge_targets, probe_factors,
                              split_targets, update_index, with_factors)
-from logra_jax.optim.targets import leaves_with_paths
+from logra_jax.sharding import sketch_shardings
+from logra_jax.tree_paths import leaves_with_paths
 from logra_jax.rl import losses
 from logra_jax.rl.policy import Policy, Sequences
 
@@ -42,9 +43,19 @@ class TrainBatch:
         return self.advantages.shape[0]
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class CompactUpdate:
+    """What a factors sync needs of one update (docs/algorithm.md §8): the targets' updates
+    {path: LowRankUpdate} (factor U, keys of A, weight_scale) and the update index k their A used."""
+
+    low_rank: dict[str, LowRankUpdate]
+    update_index: jax.Array
+
+
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
-    """The RL objective (ALGORITHM.md §7; names follow TRL)."""
+    """The RL objective (docs/algorithm.md §7; names follow TRL)."""
 
     algorithm: str = "grpo"          # "grpo" | "reinforce" (the KL variant's REINFORCE)
     epsilon: float = 0.2
@@ -64,35 +75,6 @@ def _tree_add(a, b):
     return jax.tree.map(jnp.add, a, b)
 
 
-def sketch_shardings(params, sketch: SketchSpec) -> dict[str, NamedSharding]:
-    """{target path: sharding of its sketch (*stack, out, r)} from the kernels' shardings.
-
-    The sketch keeps the kernel's stack and ``out`` entries, and the mesh axes that sharded the
-    kernel's ``in`` dimension move to ``out`` when it divides: without that an FSDP-sharded
-    kernel (in over fsdp, out over a tensor axis of size 1) would get a sketch — and a sketch
-    accumulator — replicated on every device (measured at Qwen2.5-7B shapes on 4 devices: 1.4 GiB
-    per copy). Params without NamedShardings (e.g. on one device) give {}.
-    """
-    out = {}
-    for path, leaf in leaves_with_paths(params):
-        sharding = getattr(leaf, "sharding", None)
-        if not sketch.is_target(path) or not isinstance(sharding, NamedSharding):
-            continue
-        spec = tuple(sharding.spec) + (None,) * (leaf.ndim - len(sharding.spec))
-        *stack, s_in, s_out = spec
-
-        def axes(entry):
-            return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
-        merged = axes(s_out) + tuple(a for a in axes(s_in) if a not in axes(s_out))
-        size = 1
-        for a in merged:
-            size *= sharding.mesh.shape[a]
-        new_out = merged if merged and leaf.shape[-1] % size == 0 else s_out
-        out[path] = NamedSharding(sharding.mesh, PartitionSpec(*stack, new_out or None, None))
-    return out
-
-
 class PolicyUpdate:
     """Builds and holds the jitted update for one (policy, optimizer, loss) triple.
 
@@ -106,8 +88,8 @@ class PolicyUpdate:
       train_others: whether non-target params get gradients (False: frozen, as in the KL variant;
         their dense gradient is then never computed).
       kl_control: pass ``predict_kl`` and ``mismatch`` to ``tx.update``.
-      return_updates: the step also returns the targets' compact updates {path: LowRankUpdate}
-        (factor U, keys of A, weight_scale), for a rollout engine that syncs by factors (§8).
+      return_updates: the step also returns a `CompactUpdate` (the targets' LowRankUpdates and
+        their update index k), for a rollout engine that syncs by factors (§8).
     """
 
     def __init__(self, policy: Policy, tx: optax.GradientTransformation, loss: LossConfig, *,
@@ -118,6 +100,8 @@ class PolicyUpdate:
                              f"{micro_batch_size} and {probe_size}")
         if kl_control and sketch is None:
             raise ValueError("kl_control needs the LoGRA optimizer (a SketchSpec)")
+        if return_updates and sketch is None:
+            raise ValueError("return_updates returns LoGRA's low-rank updates: it needs a SketchSpec")
         self.policy = policy
         self.tx = tx
         self.loss = loss
@@ -200,53 +184,51 @@ class PolicyUpdate:
         micro = jax.tree.map(
             lambda x: x.reshape((self.micro_batch_size, n_micro) + x.shape[1:]).swapaxes(0, 1), batch)
         probe = jax.tree.map(lambda x: x[:self.probe_size], batch)
+        # k of this update's A (a factors sync regenerates A from it), read before the step.
+        k = update_index(opt_state) if self.return_updates else None
 
-        if self.sketch is not None:
+        # What the gradient is taken of, as one dict: dense — {"params"}; LoGRA — the probes'
+        # zero factors B (their gradients are the sketches) and, unless frozen, the non-targets.
+        if self.sketch is None:
+            wrt = {"params": params}
+
+            def objective(wrt, mb):
+                return self._objective(wrt["params"], None, mb)
+        else:
             targets, others = split_targets(params, self.sketch)
             probes = make_probes(params, update_index(opt_state), self.sketch)
             probes = {path: dataclasses.replace(probe, factor=jax.lax.with_sharding_constraint(
                           probe.factor, self._sketch_shardings[path]))
                       if path in self._sketch_shardings else probe for path, probe in probes.items()}
-            factors = probe_factors(probes)
-
-            def objective(others, factors, mb):
-                return self._objective(merge_targets(others, targets), with_factors(probes, factors), mb)
-
+            wrt = {"factors": probe_factors(probes)}
             if self.train_others:
-                grad_fn = jax.grad(objective, argnums=(0, 1), has_aux=True)
-                wrt = (others, factors)
-            else:
-                grad_fn = jax.grad(lambda f, mb: objective(others, f, mb), has_aux=True)
-                wrt = factors
-        else:
-            grad_fn = jax.grad(lambda p, mb: self._objective(p, None, mb), has_aux=True)
-            wrt = params
+                wrt["others"] = others
+
+            def objective(wrt, mb):
+                params_ = merge_targets(wrt.get("others", others), targets)
+                return self._objective(params_, with_factors(probes, wrt["factors"]), mb)
+        grad_fn = jax.grad(objective, has_aux=True)
 
         def keep_sketch_layout(tree):
             """Accumulated sketches stay sharded like their factors (else XLA may gather them)."""
-            if self.sketch is None:
+            if "factors" not in tree:
                 return tree
-            factors_ = tree[1] if self.train_others else tree
             factors_ = {path: jax.lax.with_sharding_constraint(f, self._sketch_shardings[path])
-                        if path in self._sketch_shardings else f for path, f in factors_.items()}
-            return (tree[0], factors_) if self.train_others else factors_
+                        if path in self._sketch_shardings else f for path, f in tree["factors"].items()}
+            return dict(tree, factors=factors_)
 
         def accumulate(total, mb):
-            if self.sketch is not None and self.train_others:
-                grads, aux = grad_fn(*wrt, mb)
-            else:
-                grads, aux = grad_fn(wrt, mb)
+            grads, aux = grad_fn(wrt, mb)
             return keep_sketch_layout(_tree_add(total, grads)), aux
 
         zeros = keep_sketch_layout(jax.tree.map(jnp.zeros_like, wrt))
         total, aux = jax.lax.scan(accumulate, zeros, micro)
         mean_grads = jax.tree.map(lambda g: g / n_micro, total)
         if self.sketch is None:
-            grads = mean_grads
-        elif self.train_others:
-            grads = merge_targets(mean_grads[0], mean_grads[1])
-        else:
-            grads = merge_targets(jax.tree.map(jnp.zeros_like, others), mean_grads)
+            grads = mean_grads["params"]
+        else:  # params-shaped: sketches at the targets, dense (or zero, frozen) elsewhere
+            grads = merge_targets(mean_grads.get("others", jax.tree.map(jnp.zeros_like, others)),
+                                  mean_grads["factors"])
 
         mismatch = jnp.sum(aux.pop("mismatch_sum")) / jnp.maximum(jnp.sum(aux.pop("mismatch_count")), 1.0)
         metrics = {name: jnp.mean(value) for name, value in aux.items()}
@@ -258,7 +240,7 @@ class PolicyUpdate:
                 p = merge_targets(others_, targets)
                 return self.policy.completion_logits(p, probe.seqs, probes=with_factors(probes, factors_))
             extra = dict(predict_kl=make_predict_kl(
-                probe_logits, others, factors, probe.seqs.completion_mask, self.loss.temperature,
+                probe_logits, others, wrt["factors"], probe.seqs.completion_mask, self.loss.temperature,
                 others_frozen=not self.train_others), mismatch=mismatch)
 
         # The realized KL on the probe, from hidden states and heads: full-vocabulary logits exist
@@ -273,5 +255,5 @@ class PolicyUpdate:
         metrics["grad_norm"] = optax.tree.norm(grads)
         if self.return_updates:
             low_rank = {path: u for path, u in leaves_with_paths(updates) if isinstance(u, LowRankUpdate)}
-            return params, opt_state, metrics, low_rank
+            return params, opt_state, metrics, CompactUpdate(low_rank, k)
         return params, opt_state, metrics

@@ -17,7 +17,7 @@ from logra_jax.optim import (LOGRA_STATIC_ARGS, LowRankUpdate, RowAdamState, Ske
                              apply_updates, exact_kl, logra, logra_metrics, make_predict_kl,
                              make_probes, merge_targets, probe_factors, projection, split_targets,
                              update_index, with_factors)
-from logra_jax.optim.targets import leaves_with_paths, map_with_paths
+from logra_jax.tree_paths import leaves_with_paths, map_with_paths
 from optim_tiny_lm import TinyLM, build, next_token_loss
 
 RANK = 4

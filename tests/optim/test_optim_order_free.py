@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from logra_jax.optim.low_rank import LowRankUpdate
 from logra_jax.optim.order_free import order_free_matmul, rounded
-from logra_jax.optim.projections import projection, projection_keys
+from logra_jax.projections import projection, projection_keys
 
 M, R, N = 96, 64, 160
 KINDS = {"rademacher": True, "gaussian": False}

@@ -35,7 +35,7 @@ def _random_sketches(seed, scale=1.0):
 
 
 def numpy_row_adam(sketch_steps, variant, b2, eps, num_tokens_steps):
-    """ALGORITHM.md §4 written out in float64 numpy, one matrix (layer) at a time."""
+    """docs/algorithm.md §4 written out in float64 numpy, one matrix (layer) at a time."""
     tiny = np.finfo(np.float32).tiny
     out = []
     v = None

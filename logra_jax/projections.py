@@ -1,4 +1,7 @@
-"""Seeded random projections A_l(k) and the zero sketch probe B_l (ALGORITHM.md §2–3).
+"""Seeded random projections A_l(k) and the zero sketch probe B_l (docs/algorithm.md §2–3).
+
+The contract between models/ (a target layer computes x·Aᵀ and takes the probe B) and optim/
+(which sketches with A and merges U·A): both import it, neither imports the other's internals.
 
 A projection is never stored. It is regenerated wherever it is needed (the forward pass of a
 target layer, the optimizer's merge ΔW = −η·D·A, the rollout engine's receiver) from
@@ -72,7 +75,7 @@ def projection(key: jax.Array, rank: int, in_dim: int, distribution: Distributio
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SketchProbe:
-    """What a target linear layer needs to emit its gradient sketch (ALGORITHM.md §3).
+    """What a target linear layer needs to emit its gradient sketch (docs/algorithm.md §3).
 
     ``factor`` is the zero probe parameter B (out × r) — its gradient is S = G·Aᵀ — and ``key``
     regenerates A (r × in). For a stacked weight both carry the stack's leading dims, and a
@@ -88,6 +91,8 @@ class SketchProbe:
     factor: jax.Array
     distribution: str = dataclasses.field(default="rademacher", metadata=dict(static=True))
     factor_is_zero: bool = dataclasses.field(default=False, metadata=dict(static=True))
+
+    tree_path_leaf = True  # one leaf for tree_paths.leaves_with_paths, not its key and factor
 
     @property
     def rank(self) -> int:

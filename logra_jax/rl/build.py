@@ -1,0 +1,190 @@
+"""Config → objects: the only code that reads a run's ConfigDict (configs/base.py names every key).
+
+The trainer, the memory report, the benchmarks and the evaluation build what they need here, so
+the same config always gives the same mesh, model, optimizer, loss and update, whoever asks:
+
+    validate(config)                         every cross-section rule, one clear error each
+    build_mesh(config.mesh, devices)         the device mesh
+    build_model(config.model, mesh)          (model, tokenizer), sharded on the mesh
+    build_data(config.data, seed)            the prompt iterator
+    build_optimizer(config.optimizer)        Optimizer: the optax chain and what the loop needs of it
+    build_loss(config.rl)                    the RL objective (LossConfig)
+    build_policy_update(config, policy)      the jitted update (PolicyUpdate)
+    build_sampler(config.rl, policy, tok)    the rollout sampler
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import ml_collections
+import optax
+from flax import nnx
+from jax.sharding import Mesh
+
+from logra_jax import model_shapes
+from logra_jax import sharding as sharding_lib
+from logra_jax.data import PromptIterator, load_gsm8k, make_task_source
+from logra_jax.models import Decoder, ModelConfig, from_pretrained, gguf_loader
+from logra_jax.optim import SketchSpec, logra, warmup_constant
+from logra_jax.rl.policy import Policy
+from logra_jax.rl.sampler import Sampler
+from logra_jax.rl.update import LossConfig, PolicyUpdate
+
+SYNC_MODES = ("off", "full", "factors", "sparse")
+SYNC_DTYPES = ("bfloat16", "float32")
+
+
+def validate(config: ml_collections.ConfigDict) -> None:
+    """Rules that span sections; a value a builder can check alone is checked where it is used."""
+    rl = config.rl
+    if rl.algorithm == "grpo" and rl.num_generations < 2:
+        raise ValueError(f"rl.num_generations={rl.num_generations}: GRPO compares completions within "
+                         "a group, so it needs at least 2 per prompt")
+    if rl.algorithm not in ("grpo", "reinforce"):
+        raise ValueError(f"rl.algorithm must be 'grpo' or 'reinforce', got {rl.algorithm!r}")
+    if config.max_steps <= 0:
+        raise ValueError(f"max_steps must be positive, got {config.max_steps}")
+    if config.sync.mode not in SYNC_MODES:
+        raise ValueError(f"sync.mode must be one of {SYNC_MODES}, got {config.sync.mode!r}")
+    if config.sync.rollout_devices and config.sync.mode == "off":
+        raise ValueError("sync.rollout_devices > 0 puts the sampler on its own devices, so it needs "
+                         "a sync.mode (full | factors | sparse) to receive the weights")
+    if config.sync.mode == "factors" and config.optimizer.name != "logra":
+        raise ValueError("sync.mode='factors' sends LoGRA's low-rank factors; optimizer.name="
+                         f"{config.optimizer.name!r} has none (use full or sparse)")
+    if config.sync.dtype not in SYNC_DTYPES:
+        raise ValueError(f"sync.dtype must be one of {sorted(SYNC_DTYPES)}, got {config.sync.dtype!r}")
+    rows = config.data.prompts_per_step * rl.num_generations
+    if rows % rl.micro_batch_size:
+        raise ValueError(f"prompts_per_step × num_generations = {rows} rows is not a multiple of "
+                         f"rl.micro_batch_size={rl.micro_batch_size}")
+
+
+def build_mesh(axes, devices=None, *, spare_devices: bool = False) -> Mesh:
+    """A mesh of the named axis sizes over ``devices`` (default: all); -1 takes what is left.
+
+    ``spare_devices``: the mesh may use only the first of the devices (a plan for a smaller mesh,
+    as the memory report makes); otherwise its size must equal their number.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = dict(axes)
+    free = [name for name, size in sizes.items() if size == -1]
+    if len(free) > 1:
+        raise ValueError(f"mesh: at most one axis may be -1, got {sizes}")
+    fixed = math.prod(size for size in sizes.values() if size != -1)
+    if free:
+        if len(devices) % fixed:
+            raise ValueError(f"mesh {sizes}: {len(devices)} devices are not divisible by {fixed}")
+        sizes[free[0]] = len(devices) // fixed
+    if spare_devices:
+        needed = math.prod(sizes.values())
+        if needed > len(devices):
+            raise ValueError(f"mesh {sizes} needs {needed} devices, only {len(devices)} are "
+                             f"available for training (raise LOGRA_HOST_DEVICES or lower "
+                             f"rollout_devices)")
+        devices = devices[:needed]
+    return sharding_lib.make_mesh(sizes, devices=devices)
+
+
+def build_model(cfg: ml_collections.ConfigDict, mesh: Mesh):
+    """(model, tokenizer). ``source="tiny"`` is a random small decoder with SmolLM2's tokenizer."""
+    if model_shapes.is_shape_source(cfg.source):
+        raise ValueError(f"model.source={cfg.source!r} is a model shape without weights, for "
+                         "`python -m launch.memory`; to train, set model.source to a local Hugging "
+                         "Face folder of that model")
+    if cfg.source == "tiny":
+        import gguf  # the tokenizer (with its chat template) comes from the SmolLM2 GGUF
+        tokenizer = gguf_loader.tokenizer_from_gguf(gguf.GGUFReader(gguf_loader.smollm2_gguf_path()))
+        model_config = ModelConfig(vocab_size=tokenizer.vocab_size, dtype=cfg.dtype,
+                                   param_dtype=cfg.param_dtype, remat=cfg.remat, **dict(cfg.tiny))
+        model = Decoder(model_config, rngs=nnx.Rngs(cfg.init_seed))
+        return sharding_lib.shard_model(model, mesh), tokenizer
+    return from_pretrained(cfg.source, mesh=mesh, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+                           remat=cfg.remat)
+
+
+def build_data(cfg: ml_collections.ConfigDict, seed: int) -> PromptIterator:
+    if cfg.source == "task":
+        source = make_task_source(cfg.task, size=cfg.size, seed=cfg.task_seed, **dict(cfg.task_kwargs))
+    elif cfg.source == "gsm8k":
+        if not cfg.gsm8k_dir:
+            raise ValueError("data.source='gsm8k' needs data.gsm8k_dir: a folder with train.jsonl and "
+                             "test.jsonl (nothing is downloaded)")
+        source = load_gsm8k(cfg.gsm8k_dir, cfg.split, cache_dir=cfg.gsm8k_cache_dir or None)
+    else:
+        raise ValueError(f"data.source must be 'task' or 'gsm8k', got {cfg.source!r}")
+    return PromptIterator(source, batch_size=cfg.prompts_per_step, seed=seed, shuffle=cfg.shuffle)
+
+
+class Optimizer(NamedTuple):
+    """What ``config.optimizer`` builds.
+
+    tx: the optax chain. sketch: its SketchSpec (None for a dense optimizer). train_others: False
+    when non-target params are frozen (KL variant). kl_control: the update needs a predicted-KL
+    probe. learning_rate: the schedule of the step size (logged each step).
+    """
+
+    tx: optax.GradientTransformation
+    sketch: SketchSpec | None
+    train_others: bool
+    kl_control: bool
+    learning_rate: optax.Schedule
+
+
+def build_optimizer(cfg: ml_collections.ConfigDict) -> Optimizer:
+    """LoGRA (``name="logra"``, variant "grpo" or "kl") or the dense AdamW baseline."""
+    learning_rate = warmup_constant(cfg.learning_rate, cfg.warmup_steps)
+    if cfg.name == "adamw":
+        tx = optax.chain(
+            optax.clip_by_global_norm(cfg.max_grad_norm) if cfg.max_grad_norm > 0 else optax.identity(),
+            optax.adamw(learning_rate, b1=cfg.b1, b2=cfg.adam_b2, eps=cfg.adam_eps,
+                        weight_decay=cfg.weight_decay))
+        return Optimizer(tx, None, True, False, learning_rate)
+    if cfg.name != "logra":
+        raise ValueError(f"optimizer.name must be 'logra' or 'adamw', got {cfg.name!r}")
+    sketch = dict(targets=cfg.targets, rank=cfg.rank, seed=cfg.sketch_seed,
+                  distribution=cfg.distribution, refresh=cfg.refresh)
+    kl_control = cfg.variant == "kl" or cfg.kl_control
+    tx = logra(
+        variant=cfg.variant, **sketch,
+        learning_rate=learning_rate,
+        weight_decay=cfg.weight_decay if cfg.variant == "grpo" else 0.0,
+        max_grad_norm=cfg.max_grad_norm or None, b2=cfg.b2, eps=cfg.eps,
+        others=cfg.others, others_learning_rate=cfg.others_learning_rate,
+        others_weight_decay=cfg.weight_decay, others_warmup_steps=cfg.warmup_steps,
+        kl_control=kl_control, kl_budget=cfg.kl_budget, kl_budget_final=cfg.kl_budget_final,
+        kl_budget_horizon=cfg.kl_budget_horizon, alpha_max=cfg.alpha_max,
+        update_ratio=cfg.update_ratio, factor_dtype=cfg.factor_dtype or None)
+    return Optimizer(tx, SketchSpec(**sketch), cfg.others != "frozen", kl_control, learning_rate)
+
+
+def build_loss(rl: ml_collections.ConfigDict) -> LossConfig:
+    return LossConfig(algorithm=rl.algorithm, epsilon=rl.epsilon, epsilon_high=rl.epsilon_high or None,
+                      beta=rl.beta, kl_estimator=rl.kl_estimator, loss_agg_mode=rl.loss_agg_mode,
+                      is_cap=rl.is_cap, temperature=rl.temperature)
+
+
+def build_policy_update(config: ml_collections.ConfigDict, policy: Policy, *,
+                        optimizer: Optimizer | None = None,
+                        return_updates: bool = False) -> PolicyUpdate:
+    """The jitted update of ``config`` (optimizer, loss, micro-batching, KL probe) for ``policy``.
+
+    ``return_updates``: the step also returns the targets' LowRankUpdates (a factors sync needs them).
+    """
+    optimizer = optimizer if optimizer is not None else build_optimizer(config.optimizer)
+    return PolicyUpdate(policy, optimizer.tx, build_loss(config.rl),
+                        micro_batch_size=config.rl.micro_batch_size,
+                        probe_size=config.optimizer.probe_size, sketch=optimizer.sketch,
+                        train_others=optimizer.train_others, kl_control=optimizer.kl_control,
+                        return_updates=return_updates)
+
+
+def build_sampler(rl: ml_collections.ConfigDict, policy: Policy, tokenizer) -> Sampler:
+    """The sampler of rollouts: the config's prompt and completion lengths, EOS and padding ids."""
+    pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eos_id
+    return Sampler(policy, max_prompt_length=rl.max_prompt_length,
+                   max_completion_length=rl.max_completion_length, eos_ids=[tokenizer.eos_id],
+                   pad_id=pad_id)

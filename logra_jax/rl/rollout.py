@@ -1,0 +1,118 @@
+"""Rollouts: completions sampled and graded, and the weights the sampler uses (docs/algorithm.md §7–8).
+
+The loop sees one small interface for where rollouts come from, so it does not branch on the sync
+mode. `RolloutSource` gives the weights to sample with and the batch's placement, and hears about
+every update (``after_update``). Two kinds, picked by `rollout_source`:
+
+- `SharedWeights` (``sync.mode="off"``): the sampler reads the trainer's own params, no copy.
+- `SyncedEngine` (``full`` | ``factors`` | ``sparse``): a `sync.RolloutEngine` on its own devices
+  (or the trainer's, colocated), kept in step by `sync.SyncSender` messages after every update.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from logra_jax.data import format_prompt
+from logra_jax.rl import rewards, sync
+from logra_jax.rl.policy import Sequences
+from logra_jax.rl.sampler import Sampler, decode_completions, pad_prompts
+from logra_jax.rl.update import CompactUpdate
+
+
+@dataclasses.dataclass
+class Rollouts:
+    seqs: Sequences
+    rollout_logp: jax.Array
+    completed: jax.Array
+    texts: list[str]
+    golds: list[str]
+
+
+def collect_rollouts(sampler: Sampler, params, tokenizer, examples, rl_cfg, data_cfg, rng,
+                     batch_sharding) -> Rollouts:
+    """Samples ``num_generations`` completions per prompt (rows of a group are adjacent)."""
+    prompts = [format_prompt(ex["question"], tokenizer, system_prompt=data_cfg.system_prompt or None,
+                             instruction=data_cfg.instruction or None) for ex in examples]
+    ids = [tokenizer.encode(p) for p in prompts for _ in range(rl_cfg.num_generations)]
+    tokens, mask = pad_prompts(ids, rl_cfg.max_prompt_length, sampler.pad_id)
+    tokens, mask = jax.device_put((tokens, mask), batch_sharding)
+    out = sampler.generate(params, tokens, mask, rng, temperature=rl_cfg.temperature,
+                           top_p=rl_cfg.top_p, top_k=rl_cfg.top_k)
+    seqs = Sequences.from_sample(out.prompt_tokens, out.prompt_mask, out.tokens, out.mask)
+    texts = decode_completions(tokenizer, np.asarray(out.tokens), np.asarray(out.mask), sampler.eos_ids)
+    golds = [ex["answer"] for ex in examples for _ in range(rl_cfg.num_generations)]
+    return Rollouts(seqs=seqs, rollout_logp=out.logprobs, completed=out.finished, texts=texts,
+                    golds=golds)
+
+
+def score(texts: list[str], golds: list[str], rl_cfg) -> np.ndarray:
+    """Outcome reward per completion (+ optional format reward)."""
+    failure = rl_cfg.failure_reward if rl_cfg.algorithm == "reinforce" else 0.0
+    r = np.array([rewards.math_reward(t, g, failure_reward=failure) for t, g in zip(texts, golds)],
+                 np.float32)
+    if rl_cfg.format_reward_weight:
+        r += rl_cfg.format_reward_weight * np.array([rewards.format_reward(t) for t in texts], np.float32)
+    return r
+
+
+class RolloutSource(Protocol):
+    """Where the sampler's weights come from."""
+
+    batch_sharding: jax.sharding.Sharding   # where the sampler's batch of prompts lives
+    weights: Any                            # the params to sample the next rollout with
+
+    def after_update(self, params, update: CompactUpdate | None, probe: Sequences) -> dict[str, float]:
+        """The trainer has ``params`` now (``update``: the step's compact form, factors only);
+        returns this step's sync metrics."""
+
+
+class SharedWeights:
+    """The sampler reads the trainer's params themselves: no copy and nothing to sync."""
+
+    def __init__(self, params, batch_sharding):
+        self.weights = params
+        self.batch_sharding = batch_sharding
+
+    def after_update(self, params, update, probe) -> dict[str, float]:
+        del update, probe
+        self.weights = params
+        return {}
+
+
+class SyncedEngine:
+    """A rollout engine fed by a sync sender after every update (sync.py); ``engine`` holds the
+    sampler's weights on the rollout mesh. Built from the trainer's current params, so a resumed
+    run starts with a fresh sender and engine."""
+
+    def __init__(self, sender: sync.SyncSender, engine: sync.RolloutEngine, batch_sharding):
+        self.sender, self.engine = sender, engine
+        self.batch_sharding = batch_sharding
+
+    @property
+    def weights(self):
+        return self.engine.params
+
+    def after_update(self, params, update, probe) -> dict[str, float]:
+        if self.sender.mode == "factors":
+            return sync.sync_step(self.sender, self.engine, params, updates=update.low_rank,
+                                  update_index=int(update.update_index), probe=probe)
+        return sync.sync_step(self.sender, self.engine, params, probe=probe)
+
+
+def rollout_source(mode: str, params, *, policy, shardings, batch_sharding, sketch,
+                   train_others: bool, master_copy: bool, dtype, temperature: float) -> RolloutSource:
+    """The source for ``mode`` (the placed mode: `sync.placed_mode`), starting at ``params``."""
+    if mode == "off":
+        return SharedWeights(params, batch_sharding)
+    dtype = jnp.dtype(dtype)
+    sender = sync.SyncSender(mode, params, sketch=sketch, train_others=train_others, dtype=dtype)
+    engine = sync.RolloutEngine(policy, params, shardings, mode=mode, sketch=sketch,
+                                train_others=train_others, master_copy=master_copy, dtype=dtype,
+                                temperature=temperature)
+    return SyncedEngine(sender, engine, batch_sharding)
