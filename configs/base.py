@@ -1,15 +1,34 @@
 """Every key a run can set, with the reference defaults; the named configs override a few.
 
-Sections: model, mesh, data, rl (TRL/Tunix names), optimizer (LoGRA's §2–6 knobs or dense AdamW),
-checkpoint, log. A command-line ``--config.a.b=v`` must name a key defined here.
+Sections: model, mesh, data, rl (TRL/Tunix names), optimizer (name + one section per optimizer,
+keyed like its function's arguments), sync, checkpoint, log. A command-line ``--config.a.b=v``
+must name a key defined here.
 """
 
 import ml_collections
+from ml_collections.config_dict import placeholder
 
 # Configs hold plain values and import nothing from the library; tests/test_infra.py checks that
 # these equal the library's own defaults (optim.DEFAULT_TARGETS, data.DEFAULT_INSTRUCTION).
 DEFAULT_TARGETS = r"(^|/)(q|k|v|o|gate|up|down)_proj/kernel$"   # attention and MLP projections
 DEFAULT_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+
+
+# The two LoGRA variants of docs/algorithm.md, as presets: the optimizer section and the RL
+# objective each runs with. `use_logra_variant(c, "kl")` applies one.
+LOGRA_VARIANTS = {
+    "grpo": (dict(variant="grpo", others="adamw"), dict(algorithm="grpo")),
+    "kl": (dict(variant="kl", others="frozen", kl_control=True, weight_decay=0.0),
+           dict(algorithm="reinforce")),
+}
+
+
+def use_logra_variant(c: ml_collections.ConfigDict, name: str) -> ml_collections.ConfigDict:
+    optimizer, rl = LOGRA_VARIANTS[name]
+    c.optimizer.name = "logra"
+    c.optimizer.logra.update(optimizer)
+    c.rl.update(rl)
+    return c
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -62,20 +81,32 @@ def get_config() -> ml_collections.ConfigDict:
         format_reward_weight=0.0,
     ))
 
+    # `name` picks the section that builds the optimizer; each section's keys are the keyword
+    # arguments of the function it configures (None: that function's own default).
     c.optimizer = ml_collections.ConfigDict(dict(
         name="logra",                     # "logra" | "adamw" (the dense baseline)
-        variant="grpo",                   # logra: "grpo" | "kl"
-        learning_rate=1e-6, warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
-        # sketch and RowAdam (docs/algorithm.md §2–4)
-        targets=DEFAULT_TARGETS, rank=256, b2=0.95, eps=1e-8, sketch_seed=42, refresh=True,
+        warmup_steps=0,                   # linear warmup of `learning_rate` (either section)
+        probe_size=2,                     # rows for the predicted and the realized KL
+    ))
+    # logra_jax.optim.logra(...) (docs/algorithm.md §2–6). Variants: LOGRA_VARIANTS above.
+    c.optimizer.logra = ml_collections.ConfigDict(dict(
+        variant="grpo",                   # "grpo" | "kl"
+        learning_rate=1e-6, weight_decay=0.0, max_grad_norm=1.0,   # grpo only (inf: no clipping)
+        # sketch and RowAdam (§2–4)
+        targets=DEFAULT_TARGETS, rank=256, b2=0.95, eps=1e-8, seed=42, refresh=True,
         distribution="rademacher",
-        others="adamw", others_learning_rate=5e-6,
+        others=placeholder(str),          # "adamw" | "frozen"; None: adamw for grpo, frozen for kl
+        others_learning_rate=5e-6, others_weight_decay=0.0, others_warmup_steps=0,
         # predicted-KL control (§6)
-        kl_control=False, kl_budget=2e-4, kl_budget_final=2e-5, kl_budget_horizon=300,
-        alpha_max=3.0, update_ratio=6e-5, probe_size=2,
-        factor_dtype="",                  # "bfloat16": round the GRPO variant's U (exact factors sync)
-        # dense AdamW baseline
-        b1=0.9, adam_b2=0.999, adam_eps=1e-8,
+        kl_control=placeholder(bool),     # None: on for kl, off for grpo
+        kl_budget=2e-4, kl_budget_final=2e-5, kl_budget_horizon=300, alpha_max=3.0,
+        mismatch_weight=0.3,
+        update_ratio=6e-5,                # kl only: relative size of the proposed step
+        factor_dtype=placeholder(str),    # "bfloat16": round the GRPO variant's U (exact factors sync)
+    ))
+    # optax.adamw(...) after clipping by the global norm (max_grad_norm 0: no clipping).
+    c.optimizer.adamw = ml_collections.ConfigDict(dict(
+        learning_rate=1e-6, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0, max_grad_norm=1.0,
     ))
 
     # Trainer → rollout engine (docs/algorithm.md §8; logra_jax/rl/sync.py).

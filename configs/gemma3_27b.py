@@ -28,9 +28,7 @@ def get_config():
     c.rl.micro_batch_size = 8          # 1 sequence per device per micro-step
     c.rl.beta = 0.01
 
-    c.optimizer.name = "logra"
-    c.optimizer.variant = "grpo"
-    c.optimizer.rank = 256
-    c.optimizer.others = "adamw"
+    base.use_logra_variant(c, "grpo")
+    c.optimizer.logra.rank = 256
     c.log.progress = False
     return c

@@ -25,8 +25,7 @@ def get_config():
     c.rl.micro_batch_size = 8
     c.rl.beta = 0.0
 
-    c.optimizer.name = "logra"
-    c.optimizer.variant = "grpo"
-    c.optimizer.rank = 256
+    base.use_logra_variant(c, "grpo")
+    c.optimizer.logra.rank = 256
     c.log.progress = False
     return c

@@ -35,13 +35,11 @@ def get_config():
     c.rl.beta = 0.01
     c.rl.kl_estimator = "k3"
 
-    c.optimizer.name = "logra"
-    c.optimizer.variant = "grpo"
-    c.optimizer.rank = 256
-    c.optimizer.others = "adamw"
-    c.optimizer.others_learning_rate = 5e-6
-    c.optimizer.weight_decay = 0.01
+    base.use_logra_variant(c, "grpo")
     c.optimizer.warmup_steps = 50
-    c.optimizer.learning_rate = 5e-6   # AdamW baseline's rate; LoGRA's is not public
+    c.optimizer.logra.update(rank=256, learning_rate=5e-6,   # AdamW's rate; LoGRA's is not public
+                             weight_decay=0.01, others_learning_rate=5e-6,
+                             others_weight_decay=0.01, others_warmup_steps=50)
+    c.optimizer.adamw.update(learning_rate=5e-6, weight_decay=0.01)
     c.log.progress = False
     return c

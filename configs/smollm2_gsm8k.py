@@ -24,7 +24,7 @@ def get_config():
     c.rl.max_completion_length = 256
     c.rl.micro_batch_size = 16
     c.rl.beta = 0.01
-    c.optimizer.learning_rate = 1e-5
-    c.optimizer.others_learning_rate = 5e-6
     c.optimizer.warmup_steps = 10
+    c.optimizer.logra.update(learning_rate=1e-5, others_learning_rate=5e-6, others_warmup_steps=10)
+    c.optimizer.adamw.learning_rate = 1e-5
     return c

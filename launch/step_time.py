@@ -19,6 +19,11 @@ operations per target, what a dense weight gradient of r tokens costs) is shared
 the update, so fewer tokens favour AdamW, and an RL update of many micro-batches favours LoGRA more
 than this single micro-batch does.
 
+The merge alone (``--merge``): per width, ``LowRankUpdate.merge_into`` of a stack of ``layers``
+(d × 3d) MLP kernels — the order-free product of optim/order_free.py — against the same merge with
+one plain fp32 dot (what the merge was before it had to give the same bits on every mesh),
+interleaved medians of ``repeats`` runs each.
+
 Peak memory (for an accelerator; one optimizer per process, because the high-water mark of a
 device cannot be reset):
 
@@ -55,6 +60,7 @@ _COMPLETION = flags.DEFINE_integer("completion_length", 192, "Completion tokens 
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed updates per optimizer (after one warm-up); "
                                 "0: only XLA's operation counts (compile, no run).")
 _RANK = flags.DEFINE_integer("rank", 256, "LoGRA rank r.")
+_MERGE = flags.DEFINE_bool("merge", False, "Time the low-rank merge alone: order-free vs a plain dot.")
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype.")
 
 
@@ -74,8 +80,7 @@ def bench_config(width: int, layers: int, rows: int, prompt_length: int, complet
     c.rl.micro_batch_size = rows
     c.rl.max_prompt_length = prompt_length
     c.rl.max_completion_length = completion_length
-    c.optimizer.rank = rank
-    c.optimizer.learning_rate = 1e-6
+    c.optimizer.logra.rank = rank
     return c
 
 
@@ -156,6 +161,40 @@ def time_widths(widths, layers, rows, prompt_length, completion_length, rank, dt
     return results
 
 
+def time_merge(widths, layers, rank, repeats):
+    """[(width, {"order-free": median ms, "plain dot": median ms})] for a (layers, d, 3d) stack."""
+    import jax
+    import jax.numpy as jnp
+    from logra_jax.optim.low_rank import LowRankUpdate
+    from logra_jax.projections import projection, projection_keys
+
+    def plain_dot_merge(kernel, update):
+        def one(k, u, key):
+            a = projection(key, rank, k.shape[0])
+            return (update.weight_scale * k + jnp.matmul(a.T, u.T, precision="highest")).astype(k.dtype)
+        return jax.lax.map(lambda xs: one(*xs), (kernel, update.factor, update.key))
+
+    merges = {"order-free": jax.jit(lambda k, u: u.merge_into(k), donate_argnums=0),
+              "plain dot": jax.jit(plain_dot_merge, donate_argnums=0)}
+    results = []
+    for width in widths:
+        shape = (layers, width, 3 * width)
+        update = LowRankUpdate(
+            factor=jax.random.normal(jax.random.PRNGKey(1), (layers, 3 * width, rank)) * 1e-3,
+            key=projection_keys(0, "layers/mlp/up_proj/kernel", 0, (layers,)),
+            weight_scale=jnp.float32(1.0))
+        kernels = {name: jax.random.normal(jax.random.PRNGKey(0), shape) for name in merges}
+        times = {name: [] for name in merges}
+        for i in range(repeats + 1):                      # the first round compiles
+            for name in (list(merges) if i % 2 == 0 else list(merges)[::-1]):
+                tic = time.perf_counter()
+                kernels[name] = jax.block_until_ready(merges[name](kernels[name], update))
+                if i:
+                    times[name].append(1e3 * (time.perf_counter() - tic))
+        results.append((width, {name: statistics.median(t) for name, t in times.items()}))
+    return results
+
+
 def peak_memory(config, optimizer: str) -> dict:
     """One real update of ``config``'s model: device peak bytes vs XLA's prediction (per device)."""
     import jax
@@ -205,6 +244,16 @@ def main(argv):
         sys.exit(f"error: --repeats must be ≥ 0, got {_REPEATS.value}")
     if _ROWS.value < 2 or _ROWS.value % 2:
         sys.exit(f"error: --rows must be an even number ≥ 2 (GRPO groups of 2), got {_ROWS.value}")
+    if _MERGE.value:
+        if _REPEATS.value < 1:
+            sys.exit("error: --merge times the merge: it needs --repeats ≥ 1")
+        print(f"merge of {_LAYERS.value} layers (d × 3d), rank {_RANK.value}, fp32; median of "
+              f"{_REPEATS.value} interleaved runs")
+        print(f"{'width':>6} {'order-free ms':>14} {'plain dot ms':>13} {'ratio':>6}")
+        for width, ms in time_merge(widths, _LAYERS.value, _RANK.value, _REPEATS.value):
+            print(f"{width:>6} {ms['order-free']:>14.1f} {ms['plain dot']:>13.1f} "
+                  f"{ms['order-free'] / ms['plain dot']:>6.2f}")
+        return
     results = time_widths(widths, _LAYERS.value, _ROWS.value, _PROMPT.value, _COMPLETION.value,
                           _RANK.value, _DTYPE.value, _REPEATS.value)
     import jax

@@ -7,7 +7,7 @@
 Part 1, analytic (from parameter shapes only, no weights): for every config and both LoGRA variants
 the bytes one sync sends in each mode, and their ratio to the full bf16 weights. KL variant: bf16 U,
 non-targets frozen; GRPO variant: fp32 U (``logra(variant="grpo")``'s default) or bf16 U
-(``optimizer.factor_dtype="bfloat16"``), non-targets trained by AdamW and therefore sent in full. ``sparse`` depends on how many bf16 entries change,
+(``optimizer.logra.factor_dtype="bfloat16"``), non-targets trained by AdamW and therefore sent in full. ``sparse`` depends on how many bf16 entries change,
 which only a run can tell: it is shown at ``--sparse_fraction`` of the trainable entries.
 
 Part 2, measured (``--measure_updates`` > 0): ``--measure_config`` (default configs/tiny.py)
@@ -26,6 +26,8 @@ simulate_host_devices(8)  # 4 train + 4 roll out
 
 from absl import app, flags  # noqa: E402
 
+from configs import base  # noqa: E402
+
 # The default job is configs/default.py where it exists; configs/base.py has the same model and rank.
 _DEFAULT_JOB = "configs/default.py" if os.path.exists("configs/default.py") else "configs/base.py"
 _CONFIGS = flags.DEFINE_list(
@@ -40,15 +42,12 @@ _MEASURE_CONFIG = flags.DEFINE_string(
     "measure_config", "configs/tiny.py", "Config of the measured run (its model, data, rank and "
     "learning rates; the variant is set per row).")
 
-VARIANTS = {
-    # name: (optimizer overrides, rl overrides, bytes per U entry)
-    "kl": (dict(variant="kl", others="frozen", kl_control=True), dict(algorithm="reinforce"), 2),
-    "grpo": (dict(variant="grpo", others="adamw"), dict(algorithm="grpo"), 4),
-}
-# Analytic only: the GRPO variant with optimizer.factor_dtype="bfloat16" (U rounded before the merge).
-ANALYTIC_VARIANTS = dict(VARIANTS, **{"grpo, bf16 U": (dict(variant="grpo", others="adamw",
-                                                             factor_dtype="bfloat16"),
-                                                        dict(algorithm="grpo"), 2)})
+# name: (optimizer.logra overrides, rl overrides, bytes per U entry): configs/base.py's presets.
+VARIANTS = {"kl": (*base.LOGRA_VARIANTS["kl"], 2), "grpo": (*base.LOGRA_VARIANTS["grpo"], 4)}
+# Analytic only: the GRPO variant with optimizer.logra.factor_dtype="bfloat16" (U rounded before the merge).
+ANALYTIC_VARIANTS = dict(VARIANTS, **{"grpo, bf16 U": (dict(base.LOGRA_VARIANTS["grpo"][0],
+                                                            factor_dtype="bfloat16"),
+                                                       base.LOGRA_VARIANTS["grpo"][1], 2)})
 MODES = ("full", "factors", "sparse")
 
 
@@ -92,7 +91,7 @@ def analytic_table(config_paths, sparse_fraction: float) -> list[str]:
         config = config_lib.load_config_file(path)
         mc = model_config(config.model)
         params = abstract_params(mc)
-        spec = SketchSpec(targets=config.optimizer.targets, rank=config.optimizer.rank)
+        spec = SketchSpec(targets=config.optimizer.logra.targets, rank=config.optimizer.logra.rank)
         model = f"{config.model.source} (L{mc.num_layers} d{mc.hidden_size})"
         for variant, (opt, _, u_bytes) in ANALYTIC_VARIANTS.items():
             b = sync_bytes(params, spec, train_others=opt["others"] != "frozen",
@@ -132,7 +131,7 @@ def measured_table(config_path: str, updates: int) -> list[str]:
     rollout_mesh = build.build_mesh({"fsdp": 2, "tensor": 2}, rollout_devices)
     for variant, (opt_over, rl_over, _) in VARIANTS.items():
         config = config_lib.load_config_file(config_path)
-        config.optimizer.update(opt_over)
+        config.optimizer.logra.update(opt_over)
         config.rl.update(rl_over)
         rl = config.rl
         build.validate(config)

@@ -47,8 +47,12 @@ def check_overrides(config: ml_collections.ConfigDict, keys: Sequence[str]) -> N
             if not isinstance(node, ml_collections.ConfigDict) or part not in node:
                 where = ".".join(walked) or "the top level"
                 known = sorted(node.keys()) if isinstance(node, ml_collections.ConfigDict) else []
+                # A key one section further down (optimizer.rank → optimizer.logra.rank).
+                inside = [f"{where}.{k}.{part}" for k in known if walked
+                          and isinstance(node[k], ml_collections.ConfigDict) and part in node[k]]
                 raise ValueError(f"unknown config key {dotted!r}: {where} has no {part!r}"
-                                 + (f" (known: {', '.join(known)})" if known else ""))
+                                 + (f" (known: {', '.join(known)})" if known else "")
+                                 + (f"; did you mean {' or '.join(inside)}?" if inside else ""))
             node = node[part]
             walked.append(part)
 

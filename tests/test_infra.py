@@ -94,4 +94,10 @@ def test_config_defaults_equal_the_librarys():
     from logra_jax.optim import DEFAULT_TARGETS
     assert base.DEFAULT_TARGETS == DEFAULT_TARGETS
     assert base.DEFAULT_INSTRUCTION == DEFAULT_INSTRUCTION
-    assert base.get_config().optimizer.targets == DEFAULT_TARGETS
+    assert base.get_config().optimizer.logra.targets == DEFAULT_TARGETS
+
+
+def test_a_key_of_a_subsection_is_suggested():
+    from configs import base
+    with pytest.raises(ValueError, match=r"did you mean optimizer\.logra\.rank\?"):
+        config_lib.check_overrides(base.get_config(), ["optimizer.rank"])

@@ -155,7 +155,7 @@ def tiny_grpo():
     """configs/tiny.py's RL loop (GRPO variant: fp32 U, weight decay, AdamW on the rest) with the
     sampler on 4 devices and the trainer on the other 4: rollouts come from the factors engine."""
     config = tiny_config.get_config()
-    config.optimizer.weight_decay = 0.1  # weight_scale ≠ 1 must reach the receiver too
+    config.optimizer.logra.weight_decay = 0.1  # weight_scale ≠ 1 must reach the receiver too
     rl = config.rl
     train_devices, rollout_devices, train_mesh, rollout_mesh = _meshes()
     model, tokenizer = build.build_model(config.model, train_mesh)

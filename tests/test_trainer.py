@@ -15,21 +15,26 @@ from logra_jax.rl.update import TrainBatch
 
 VARIANTS = {
     # name: overrides of configs/tiny.py
-    "logra-grpo": dict(optimizer=dict(name="logra", variant="grpo", kl_control=True)),
-    "logra-kl": dict(optimizer=dict(name="logra", variant="kl", others="frozen"),
+    "logra-grpo": dict(optimizer=dict(name="logra", logra=dict(variant="grpo", kl_control=True))),
+    "logra-kl": dict(optimizer=dict(name="logra", logra=dict(variant="kl", others="frozen")),
                      rl=dict(algorithm="reinforce")),
     "adamw": dict(optimizer=dict(name="adamw")),
 }
 
 
-def make_config(name, **extra):
-    config = tiny.get_config()
-    for section, values in {**VARIANTS[name], **extra}.items():
-        if isinstance(values, dict):
-            for key, value in values.items():
-                config[section][key] = value
+def _override(node, values: dict):
+    for key, value in values.items():
+        if isinstance(value, dict):
+            _override(node[key], value)
         else:
-            config[section] = values
+            node[key] = value
+
+
+def make_config(name, **extra):
+    """configs/tiny.py with the variant's overrides, then ``extra``'s (nested dicts merge)."""
+    config = tiny.get_config()
+    _override(config, VARIANTS[name])
+    _override(config, extra)
     return config
 
 

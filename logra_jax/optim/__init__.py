@@ -15,7 +15,7 @@ takes; tree_paths.py; sharding.py):
 """
 
 from logra_jax.optim.logra import (LOGRA_STATIC_ARGS, logra, logra_metrics, update_index,
-                                   warmup_constant)
+                                   variant_defaults, warmup_constant)
 from logra_jax.optim.low_rank import LowRankUpdate, apply_updates
 from logra_jax.optim.predicted_kl import (PredictedKLState, exact_kl, exact_kl_from_hidden,
                                           kl_budget_schedule, make_predict_kl,
@@ -34,6 +34,7 @@ __all__ = [
     "make_predict_kl", "make_probes",
     "merge_targets", "predicted_kl_from_tangent", "probe_factors", "projection", "projection_keys",
     "scale_by_predicted_kl", "scale_by_row_adam", "scale_by_step_size", "scale_by_update_ratio",
-    "skip_nonfinite", "split_targets", "to_low_rank_updates", "update_index", "warmup_constant",
+    "skip_nonfinite", "split_targets", "to_low_rank_updates", "update_index", "variant_defaults",
+    "warmup_constant",
     "with_factors",
 ]

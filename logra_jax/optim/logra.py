@@ -68,6 +68,17 @@ def warmup_constant(learning_rate: optax.ScalarOrSchedule, warmup_steps) -> opta
 _FACTOR_DTYPES = {None: None, "": None, "float32": None, "bfloat16": jnp.bfloat16}
 
 
+def variant_defaults(variant: str, others: str | None, kl_control: bool | None) -> tuple[str, bool]:
+    """(others, kl_control) with None replaced by the variant's own choice (docs/algorithm.md §1, §6):
+    the GRPO variant trains the non-targets with AdamW and runs without KL control, the KL variant
+    freezes them and sizes every update by its predicted KL."""
+    if others is None:
+        others = "adamw" if variant == "grpo" else "frozen"
+    if kl_control is None:
+        kl_control = variant == "kl"
+    return others, bool(kl_control)
+
+
 def logra(*, variant: str = "grpo",
           learning_rate: optax.ScalarOrSchedule = 1e-6,
           weight_decay: float = 0.0,
@@ -117,12 +128,9 @@ def logra(*, variant: str = "grpo",
                          f"{factor_dtype!r}")
     for name, value in (("rank", rank), ("seed", seed)):
         _check_static_int(name, value)
-    if others is None:
-        others = "adamw" if variant == "grpo" else "frozen"
+    others, kl_control = variant_defaults(variant, others, kl_control)
     if others not in ("adamw", "frozen"):
         raise ValueError(f"others must be 'adamw' or 'frozen', got {others!r}")
-    if kl_control is None:
-        kl_control = variant == "kl"
     _check("b2", b2, lambda x: 0.0 <= x < 1.0, "in [0, 1)")
     _check("eps", eps, lambda x: x >= 0.0, "≥ 0")
     _check("learning_rate", learning_rate, lambda x: x >= 0.0, "≥ 0 (or a schedule)")

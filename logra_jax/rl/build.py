@@ -28,7 +28,7 @@ from logra_jax import model_shapes
 from logra_jax import sharding as sharding_lib
 from logra_jax.data import PromptIterator, load_gsm8k, make_task_source
 from logra_jax.models import Decoder, ModelConfig, from_pretrained, gguf_loader
-from logra_jax.optim import SketchSpec, logra, warmup_constant
+from logra_jax.optim import SketchSpec, logra, variant_defaults, warmup_constant
 from logra_jax.rl.policy import Policy
 from logra_jax.rl.sampler import Sampler
 from logra_jax.rl.update import LossConfig, PolicyUpdate
@@ -135,30 +135,23 @@ class Optimizer(NamedTuple):
 
 
 def build_optimizer(cfg: ml_collections.ConfigDict) -> Optimizer:
-    """LoGRA (``name="logra"``, variant "grpo" or "kl") or the dense AdamW baseline."""
-    learning_rate = warmup_constant(cfg.learning_rate, cfg.warmup_steps)
+    """The optimizer ``cfg.name`` names, from its section: ``cfg.logra`` holds the keyword arguments
+    of `logra(...)`, ``cfg.adamw`` those of ``optax.adamw`` (after global-norm clipping)."""
     if cfg.name == "adamw":
+        a = cfg.adamw
+        learning_rate = warmup_constant(a.learning_rate, cfg.warmup_steps)
         tx = optax.chain(
-            optax.clip_by_global_norm(cfg.max_grad_norm) if cfg.max_grad_norm > 0 else optax.identity(),
-            optax.adamw(learning_rate, b1=cfg.b1, b2=cfg.adam_b2, eps=cfg.adam_eps,
-                        weight_decay=cfg.weight_decay))
+            optax.clip_by_global_norm(a.max_grad_norm) if a.max_grad_norm > 0 else optax.identity(),
+            optax.adamw(learning_rate, b1=a.b1, b2=a.b2, eps=a.eps, weight_decay=a.weight_decay))
         return Optimizer(tx, None, True, False, learning_rate)
     if cfg.name != "logra":
         raise ValueError(f"optimizer.name must be 'logra' or 'adamw', got {cfg.name!r}")
-    sketch = dict(targets=cfg.targets, rank=cfg.rank, seed=cfg.sketch_seed,
-                  distribution=cfg.distribution, refresh=cfg.refresh)
-    kl_control = cfg.variant == "kl" or cfg.kl_control
-    tx = logra(
-        variant=cfg.variant, **sketch,
-        learning_rate=learning_rate,
-        weight_decay=cfg.weight_decay if cfg.variant == "grpo" else 0.0,
-        max_grad_norm=cfg.max_grad_norm or None, b2=cfg.b2, eps=cfg.eps,
-        others=cfg.others, others_learning_rate=cfg.others_learning_rate,
-        others_weight_decay=cfg.weight_decay, others_warmup_steps=cfg.warmup_steps,
-        kl_control=kl_control, kl_budget=cfg.kl_budget, kl_budget_final=cfg.kl_budget_final,
-        kl_budget_horizon=cfg.kl_budget_horizon, alpha_max=cfg.alpha_max,
-        update_ratio=cfg.update_ratio, factor_dtype=cfg.factor_dtype or None)
-    return Optimizer(tx, SketchSpec(**sketch), cfg.others != "frozen", kl_control, learning_rate)
+    kwargs = dict(cfg.logra)
+    learning_rate = warmup_constant(kwargs.pop("learning_rate"), cfg.warmup_steps)
+    tx = logra(learning_rate=learning_rate, **kwargs)
+    others, kl_control = variant_defaults(kwargs["variant"], kwargs["others"], kwargs["kl_control"])
+    sketch = SketchSpec(**{k: kwargs[k] for k in ("targets", "rank", "seed", "distribution", "refresh")})
+    return Optimizer(tx, sketch, others != "frozen", kl_control, learning_rate)
 
 
 def build_loss(rl: ml_collections.ConfigDict) -> LossConfig:
