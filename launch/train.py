@@ -33,8 +33,14 @@ def main(argv):
         sys.exit(f"error: {e}")
     try:
         run.loop()
-    finally:
+    except trainer.Preempted as e:  # checkpoint saved: one line, and the signal's exit status
         run.close()
+        print(f"stopped: {e}", file=sys.stderr)
+        sys.exit(128 + e.signum)
+    except (ValueError, FileNotFoundError) as e:  # e.g. a workdir holding another config's run
+        run.close()
+        sys.exit(f"error: {e}")
+    run.close()
 
 
 if __name__ == "__main__":

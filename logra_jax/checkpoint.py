@@ -3,7 +3,8 @@
 A checkpoint is two items: ``state``, any pytree of arrays restored onto the shardings of an
 abstract target, and ``meta``, a JSON dict (step, data-iterator position, scalars of the RL loop).
 Orbax writes to a temporary folder and renames on completion, so `latest_step` only ever sees
-complete checkpoints; the last ``keep`` are kept.
+complete checkpoints; the last ``keep`` are kept. A checkpoint damaged afterwards (a truncated or
+deleted file) is set aside by `restore_latest`, which resumes from the newest one that restores.
 """
 
 from __future__ import annotations
@@ -68,6 +69,37 @@ class Checkpointer:
             restored = self._manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
         return restored["state"], dict(restored["meta"])
+
+    def restore_latest(self, abstract_state: Any) -> tuple[int, Any, dict] | None:
+        """(step, state, meta) of the newest checkpoint that restores; None when there is none.
+
+        A newer one that fails while an older one restores is damaged, not of another run: it is
+        renamed ``<step>.damaged`` (kept for inspection, out of orbax's way) with a warning naming
+        it. When every checkpoint fails — a config that changed the state's structure, say —
+        nothing is renamed and ValueError names the newest and why it failed.
+        """
+        failures = []
+        for step in sorted(self.all_steps(), reverse=True):
+            try:
+                state, meta = self.restore(step, abstract_state)
+            except Exception as e:  # orbax raises many kinds of error for a damaged folder
+                failures.append((step, " ".join(str(e).split())[:300] or type(e).__name__))
+                continue
+            for bad, reason in failures:
+                aside = self.directory / f"{bad}.damaged"
+                (self.directory / str(bad)).rename(aside)
+                logging.warning("checkpoint %d cannot be restored (%s); moved to %s, resuming from "
+                                "checkpoint %d", bad, reason, aside, step)
+            if failures:
+                with _quiet():
+                    self._manager.reload()
+            return step, state, meta
+        if failures:
+            step, reason = failures[0]
+            raise ValueError(f"no checkpoint in {self.directory} can be restored (newest: step "
+                             f"{step}: {reason}); if the config changed since they were written, "
+                             f"resume with the original config or use a new workdir")
+        return None
 
     def restore_params(self, step: int, abstract_params: Any) -> Any:
         """The params of a saved ``(params, opt_state)``, whatever optimizer state was saved with

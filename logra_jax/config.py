@@ -7,6 +7,7 @@ traceback; `check_overrides` turns that into one sentence naming the key and its
 from __future__ import annotations
 
 import importlib.util
+import json
 import pathlib
 import sys
 from typing import Sequence
@@ -55,6 +56,34 @@ def check_overrides(config: ml_collections.ConfigDict, keys: Sequence[str]) -> N
                                  + (f"; did you mean {' or '.join(inside)}?" if inside else ""))
             node = node[part]
             walked.append(part)
+
+
+# Keys a resumed run may change: they do not change what the saved state means.
+RESUMABLE_CHANGES = ("max_steps", "log.", "checkpoint.every", "checkpoint.keep")
+
+
+def flatten(tree: dict, prefix: str = "") -> dict[str, object]:
+    """{"a.b": value} for a nested dict (a ConfigDict's ``to_dict()``)."""
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def as_json(config: ml_collections.ConfigDict) -> dict:
+    """The config as plain JSON values (what a workdir's config.json holds)."""
+    return json.loads(json.dumps(config.to_dict(), default=str))
+
+
+def state_changes(saved: dict, current: dict) -> list[str]:
+    """Keys whose value differs between two configs' JSON, except `RESUMABLE_CHANGES`."""
+    old, new = flatten(saved), flatten(current)
+    changed = sorted(k for k in set(old) | set(new) if old.get(k, "<absent>") != new.get(k, "<absent>"))
+    return [k for k in changed
+            if not any(k == h or (h.endswith(".") and k.startswith(h)) for h in RESUMABLE_CHANGES)]
 
 
 def config_path_from_argv(argv: Sequence[str]) -> str | None:

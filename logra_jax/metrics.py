@@ -30,8 +30,19 @@ def to_python(metrics: Mapping[str, object]) -> dict[str, float | int | str]:
 
 
 def read_jsonl(path: str | pathlib.Path) -> list[dict]:
+    """The rows of a metrics file. A last line cut short (the run was killed mid-write) is
+    dropped; a malformed line before it is an error naming the file and line."""
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        lines = [(i, line) for i, line in enumerate(f, 1) if line.strip()]
+    rows = []
+    for n, (i, line) in enumerate(lines):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if n == len(lines) - 1 and not line.endswith("\n"):
+                break
+            raise ValueError(f"{path}:{i}: not a JSON metrics row ({e.msg})") from None
+    return rows
 
 
 class MetricsWriter:

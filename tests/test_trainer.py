@@ -97,29 +97,83 @@ def test_update_changes_exactly_the_trainable_leaves(name, trainable, trainers):
         assert changed == should, f"{name}: {path} changed={changed}, expected {should}"
 
 
-def test_resume_is_bit_identical(trainers, tmp_path):
-    """Stopping after step 1 and resuming gives the same step-3 weights as an uninterrupted run."""
-    name = "logra-kl"  # its updates are never zero (REINFORCE baseline), so a wrong resume shows
-    t = trainers[name]
-    straight = trainer_lib.Run(make_config(name, max_steps=3), tmp_path / "a", trainer=t)
-    straight.loop()
-    straight.close()
-    first = trainer_lib.Run(make_config(name, max_steps=1, checkpoint=dict(every=1, keep=2)),
-                            tmp_path / "b", trainer=t)
-    first.loop()
-    first.close()
-    resumed = trainer_lib.Run(make_config(name, max_steps=3), tmp_path / "b", trainer=t)
-    resumed.loop()
-    resumed.close()
+RESUME = "logra-kl"  # its updates are never zero (REINFORCE baseline), so a wrong resume shows
+
+
+@pytest.fixture(scope="module")
+def straight(trainers, tmp_path_factory):
+    """An uninterrupted 3-step run: what every resumed run must end on, bit for bit."""
+    run = trainer_lib.Run(make_config(RESUME, max_steps=3), tmp_path_factory.mktemp("straight"),
+                          trainer=trainers[RESUME])
+    run.loop()
+    run.close()
+    return run
+
+
+def _run(trainers, workdir, **overrides):
+    run = trainer_lib.Run(make_config(RESUME, **overrides), workdir, trainer=trainers[RESUME])
+    try:
+        run.loop()
+    finally:
+        run.close()
+    return run
+
+
+def _assert_same_end(straight, resumed, workdir):
     a, b = _flat(straight.params), _flat(resumed.params)
     assert a.keys() == b.keys()
     for path in a:
         np.testing.assert_array_equal(a[path], b[path], err_msg=path)
-    rows = metrics.read_jsonl(tmp_path / "b" / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [1, 2, 3]
     assert jax.tree.all(jax.tree.map(lambda x, y: np.array_equal(x, y),
                                      jax.device_get(straight.opt_state),
                                      jax.device_get(resumed.opt_state)))
+    assert [r["step"] for r in metrics.read_jsonl(workdir / "metrics.jsonl")] == [1, 2, 3]
+
+
+def test_resume_is_bit_identical(trainers, straight, tmp_path):
+    """Stopping after step 1 and resuming gives the same step-3 weights as an uninterrupted run;
+    max_steps and the checkpoint cadence may change on resume."""
+    _run(trainers, tmp_path, max_steps=1, checkpoint=dict(every=1, keep=2))
+    _assert_same_end(straight, _run(trainers, tmp_path, max_steps=3), tmp_path)
+
+
+def test_a_damaged_checkpoint_is_set_aside_and_the_previous_one_resumes(trainers, straight,
+                                                                        tmp_path):
+    _run(trainers, tmp_path, max_steps=2, checkpoint=dict(every=1, keep=3))
+    ckpts = tmp_path / "checkpoints"
+    victim = max((f for f in (ckpts / "2").rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])   # a torn write
+    # A partial last metrics line (killed mid-write) must not block the resume either.
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "rew')
+    resumed = _run(trainers, tmp_path, max_steps=3)
+    assert (ckpts / "2.damaged").is_dir()          # kept for inspection, out of orbax's way
+    _assert_same_end(straight, resumed, tmp_path)
+
+
+def test_no_intact_checkpoint_is_one_clear_error(trainers, tmp_path):
+    _run(trainers, tmp_path, max_steps=1)
+    for meta in (tmp_path / "checkpoints").rglob("_METADATA"):
+        meta.unlink()
+    with pytest.raises(ValueError, match="no checkpoint in .* can be restored"):
+        _run(trainers, tmp_path, max_steps=2)
+    assert (tmp_path / "checkpoints" / "1").is_dir()  # nothing renamed when nothing restores
+
+
+def test_resume_refuses_a_config_that_changes_the_state(trainers, tmp_path):
+    _run(trainers, tmp_path, max_steps=1)
+    config = make_config(RESUME, max_steps=2, optimizer=dict(logra=dict(seed=7)), seed=3)
+    with pytest.raises(ValueError, match=r"optimizer\.logra\.seed, seed changed"):
+        trainer_lib.Run(config, tmp_path, trainer=trainers[RESUME]).loop()
+
+
+def test_max_steps_already_reached_trains_nothing(trainers, tmp_path):
+    _run(trainers, tmp_path, max_steps=2)
+    rows = metrics.read_jsonl(tmp_path / "metrics.jsonl")
+    run = trainer_lib.Run(make_config(RESUME, max_steps=1), tmp_path, trainer=trainers[RESUME])
+    assert run.loop() == {}
+    run.close()
+    assert metrics.read_jsonl(tmp_path / "metrics.jsonl") == rows
 
 
 def test_reference_is_kept_only_for_a_kl_penalty_and_in_the_compute_dtype(trainers):
@@ -177,6 +231,13 @@ def test_sync_modes_with_and_without_rollout_devices(mode, rollout_devices, tmp_
     (dict(data=dict(source="gsm8k", gsm8k_dir="/no/such/dir")), "/no/such/dir"),
     (dict(sync=dict(mode="off", rollout_devices=4)), "needs a sync.mode"),
     (dict(optimizer=dict(name="adamw"), sync=dict(mode="factors")), "has none"),
+    (dict(rl=dict(temperature=0.0)), r"rl.temperature must be > 0, got 0.0"),
+    (dict(rl=dict(temperature=-1.0)), r"rl.temperature must be > 0, got -1.0"),
+    (dict(rl=dict(top_p=0.0)), r"rl.top_p must be in \(0, 1\]"),
+    (dict(optimizer=dict(logra=dict(learning_rate=float("nan")))),
+     r"optimizer.logra.learning_rate must be a finite number ≥ 0, got nan"),
+    (dict(optimizer=dict(adamw=dict(learning_rate=-1.0))), "optimizer.adamw.learning_rate"),
+    (dict(optimizer=dict(warmup_steps=-2)), "optimizer.warmup_steps must be ≥ 0"),
 ])
 def test_bad_input_is_one_clear_error(overrides, message, tmp_path):
     config = make_config("logra-grpo", **overrides)

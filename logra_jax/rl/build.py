@@ -47,6 +47,19 @@ def validate(config: ml_collections.ConfigDict) -> None:
         raise ValueError(f"rl.algorithm must be 'grpo' or 'reinforce', got {rl.algorithm!r}")
     if config.max_steps <= 0:
         raise ValueError(f"max_steps must be positive, got {config.max_steps}")
+    if not rl.temperature > 0:  # NaN too: sampling divides the logits by it
+        raise ValueError(f"rl.temperature must be > 0, got {rl.temperature}")
+    if not 0 < rl.top_p <= 1 or rl.top_k < 0:
+        raise ValueError(f"rl.top_p must be in (0, 1] and rl.top_k ≥ 0 (0: off), got top_p="
+                         f"{rl.top_p}, top_k={rl.top_k}")
+    opt = config.optimizer
+    for section, key in (("logra", "learning_rate"), ("logra", "others_learning_rate"),
+                         ("adamw", "learning_rate")):
+        value = opt[section][key]
+        if not math.isfinite(value) or value < 0:  # a schedule built from it would hide a NaN
+            raise ValueError(f"optimizer.{section}.{key} must be a finite number ≥ 0, got {value}")
+    if opt.warmup_steps < 0:
+        raise ValueError(f"optimizer.warmup_steps must be ≥ 0, got {opt.warmup_steps}")
     if config.sync.mode not in SYNC_MODES:
         raise ValueError(f"sync.mode must be one of {SYNC_MODES}, got {config.sync.mode!r}")
     if config.sync.rollout_devices and config.sync.mode == "off":

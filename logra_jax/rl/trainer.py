@@ -15,7 +15,10 @@ workdir holds a checkpoint, then per step
 from __future__ import annotations
 
 import contextlib
+import json
 import pathlib
+import signal
+import threading
 import time
 from typing import Any
 
@@ -26,6 +29,7 @@ import numpy as np
 from absl import logging
 
 from logra_jax import checkpoint as checkpoint_lib
+from logra_jax import config as config_lib
 from logra_jax import metrics as metrics_lib
 from logra_jax import sharding as sharding_lib
 from logra_jax.optim import logra_metrics
@@ -118,6 +122,42 @@ class Trainer:
                                                                      momentum=rl.baseline_momentum))
 
 
+class Preempted(Exception):
+    """The run stopped on SIGTERM or SIGINT after its step in progress, with a checkpoint saved;
+    the same command resumes it. ``signum`` is the signal's number."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.signum = signum
+
+
+class _StopRequest:
+    """SIGTERM / SIGINT ask the loop to stop after the step in progress (a jitted step cannot be
+    interrupted halfway anyway); a second signal gets the default action: it stops at once."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._previous = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():  # signals reach the main one only
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        del frame
+        self.signum = signum
+        for s, handler in self._previous.items():
+            signal.signal(s, signal.SIG_DFL if s == signal.SIGTERM else handler)
+        logging.warning("%s: stopping after this step, with a checkpoint (again: stop now)",
+                        signal.Signals(signum).name)
+
+    def __exit__(self, *exc):
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+
 @contextlib.contextmanager
 def _timed(times: dict[str, float], name: str):
     tic = time.perf_counter()
@@ -154,30 +194,67 @@ class Run:
         self.data = build.build_data(config.data, config.seed)
         self.ckpt = checkpoint_lib.Checkpointer(self.workdir / "checkpoints", keep=config.checkpoint.keep)
 
+    def _check_config(self, resuming: bool) -> None:
+        """A resumed run must mean the same state: the config it was started with is kept in the
+        workdir, and a change to anything but `config.RESUMABLE_CHANGES` is refused by name."""
+        path = self.workdir / "config.json"
+        current = config_lib.as_json(self.config)
+        if resuming and path.exists():
+            changed = config_lib.state_changes(json.loads(path.read_text()), current)
+            if changed:
+                raise ValueError(f"{self.workdir} holds a run with another config: "
+                                 f"{', '.join(changed)} changed (see {path}); resume with the "
+                                 f"original values or start a new workdir")
+            return
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(current, indent=1) + "\n")
+
     def _start(self):
-        """(params, opt_state, step, baseline): the latest complete checkpoint, else the start."""
+        """(params, opt_state, step, baseline): the newest intact checkpoint, else the start."""
         params, opt_state = self.trainer.init_state()
-        latest = self.ckpt.latest_step()
+        self._check_config(resuming=bool(self.ckpt.all_steps()))
+        latest = self.ckpt.restore_latest((params, opt_state))
         if latest is None:
             return params, opt_state, 0, 0.0
-        (params, opt_state), meta = self.ckpt.restore(latest, (params, opt_state))
+        step, (params, opt_state), meta = latest
         self.data.restore(meta["data"])
-        logging.info("resumed from %s at step %d", self.ckpt.directory, meta["step"])
+        logging.info("resumed from %s at step %d", self.ckpt.directory, step)
         return params, opt_state, meta["step"], meta["baseline"]
 
     def loop(self) -> dict[str, Any]:
-        """Trains to ``max_steps``; returns the last step's metrics row."""
-        config, t, data, ckpt = self.config, self.trainer, self.data, self.ckpt
-        rl = config.rl
+        """Trains to ``max_steps``; returns the last step's metrics row. On SIGTERM / SIGINT it
+        finishes the step in progress, saves a checkpoint and raises `Preempted`."""
+        config, t = self.config, self.trainer
         params, opt_state, step, baseline = self._start()
+        if step >= config.max_steps:
+            logging.warning("max_steps=%d is already reached: %s holds step %d; nothing to train "
+                            "(raise max_steps to continue)", config.max_steps, self.workdir, step)
+            self.params, self.opt_state, self.engine = params, opt_state, None
+            return {}
         # factors/sparse messages are deltas from these weights: a resume builds a fresh source.
         rollouts = t.rollout_source(params)
         writer = metrics_lib.MetricsWriter(self.workdir, total_steps=config.max_steps, start_step=step,
                                            tensorboard=config.log.tensorboard,
                                            progress=config.log.progress)
         base_rng = jax.random.PRNGKey(config.seed)
+        with _StopRequest() as stop:
+            last, step, params, opt_state = self._steps(
+                stop, step, params, opt_state, baseline, rollouts, writer, base_rng)
+        writer.close()
+        self.params, self.opt_state = params, opt_state
+        self.engine = getattr(rollouts, "engine", None)
+        if stop.signum is not None:
+            raise Preempted(f"stopped by {signal.Signals(stop.signum).name} after step {step}; "
+                            f"checkpoint {step} is in {self.ckpt.directory}, and the same command "
+                            f"resumes from it", stop.signum)
+        return last
+
+    def _steps(self, stop, step, params, opt_state, baseline, rollouts, writer, base_rng):
+        """The steps from ``step`` to max_steps (or to a stop request): the five of the docstring."""
+        config, t, data, ckpt = self.config, self.trainer, self.data, self.ckpt
+        rl = config.rl
         last: dict[str, Any] = {}
-        while step < config.max_steps:
+        while step < config.max_steps and stop.signum is None:
             step += 1
             times: dict[str, float] = {}
             rng = jax.random.fold_in(base_rng, step)  # a pure function of the step: resume-exact
@@ -214,13 +291,11 @@ class Run:
             last = writer.write(step, step_row(t, step, update_metrics, r, ro, opt_state, times))
             if config.log.sample_every and step % config.log.sample_every == 0:
                 logging.info("step %d sample: %r → reward %.2f", step, ro.texts[0], r[0])
-            if step % config.checkpoint.every == 0 or step == config.max_steps:
+            if (step % config.checkpoint.every == 0 or step == config.max_steps
+                    or stop.signum is not None):
                 ckpt.save(step, (params, opt_state),
                           {"step": step, "baseline": baseline, "data": data.state()})
-        writer.close()
-        self.params, self.opt_state = params, opt_state
-        self.engine = getattr(rollouts, "engine", None)
-        return last
+        return last, step, params, opt_state
 
     def close(self) -> None:
         self.ckpt.close()

@@ -1,0 +1,62 @@
+"""SIGTERM / SIGINT stop a training process after its step in progress, with a checkpoint, one
+line and the signal's exit status; the same command then resumes. A real process, a real signal."""
+
+import json
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from logra_jax import metrics
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+# The KL variant on the tiny config: REINFORCE's failure reward moves the weights every step.
+ARGS = ["--config", "configs/tiny.py", "--config.optimizer.logra.variant=kl",
+        "--config.rl.algorithm=reinforce", "--config.checkpoint.every=1000",
+        "--config.log.progress=False", "--config.log.tensorboard=False"]
+
+
+def _train(workdir, max_steps, **kwargs):
+    return subprocess.Popen([sys.executable, "-m", "launch.train", "--workdir", str(workdir),
+                             *ARGS, f"--config.max_steps={max_steps}"], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kwargs)
+
+
+def _rows(workdir):
+    path = workdir / "metrics.jsonl"
+    return metrics.read_jsonl(path) if path.exists() else []
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_saves_the_step_and_the_same_command_resumes(tmp_path, signum):
+    proc = _train(tmp_path, 1000)
+    deadline = time.time() + 300
+    while not _rows(tmp_path) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.5)
+    assert proc.poll() is None, proc.stderr.read()[-2000:]
+    proc.send_signal(signum)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + signum, stderr[-2000:]
+    stopped = [line for line in stderr.splitlines() if line.startswith("stopped:")]
+    assert len(stopped) == 1, stderr[-2000:]
+    step = _rows(tmp_path)[-1]["step"]
+    assert f"after step {step};" in stopped[0]
+    assert (tmp_path / "checkpoints" / str(step)).is_dir()   # saved although every=1000
+    assert json.loads((tmp_path / "config.json").read_text())["max_steps"] == 1000
+
+    resumed = _train(tmp_path, step + 1)
+    _, stderr = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, stderr[-2000:]
+    assert [r["step"] for r in _rows(tmp_path)] == list(range(1, step + 2))
+
+
+def test_a_cut_last_metrics_line_is_dropped_and_a_bad_one_is_named(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2}\n{"step": 3, "rew')
+    assert metrics.read_jsonl(path) == [{"step": 1}, {"step": 2}]
+    path.write_text('{"step": 1}\nnot json\n{"step": 3}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl:2: not a JSON metrics row"):
+        metrics.read_jsonl(path)
