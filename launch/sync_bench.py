@@ -116,7 +116,7 @@ def measured_table(config_path: str, updates: int) -> list[str]:
     from logra_jax import sharding as sharding_lib
     from logra_jax.rl import build, sync
     from logra_jax.rl.policy import Policy
-    from logra_jax.rl.rollout import collect_rollouts, score
+    from logra_jax.rl.rollout import collect_rollouts
     from logra_jax.rl.update import TrainBatch
 
     receivers = {"full": ("full", True), "sparse": ("sparse", True), "factors": ("factors", True),
@@ -154,11 +154,12 @@ def measured_table(config_path: str, updates: int) -> list[str]:
                                             temperature=rl.temperature, **kw)
                    for name, (mode, master) in receivers.items()}
         data = build.build_data(config.data, config.seed)
+        spec, grader = build.build_rollout_spec(config), build.build_grader(rl)
         stats = {name: dict(bytes=[], full=[], mismatch=[], time=[], changed=[]) for name in receivers}
         for i in range(updates):
-            ro = collect_rollouts(sampler, engines["factors"].params, tokenizer, data.next(), rl,
-                                  config.data, jax.random.PRNGKey(i), on_rollout)
-            rewards = score(ro.texts, ro.golds, rl)
+            ro = collect_rollouts(sampler, engines["factors"].params, tokenizer, data.next(), spec,
+                                  jax.random.PRNGKey(i), on_rollout)
+            rewards = grader(ro.texts, ro.golds)
             # Random advantages: a real update even when every reward is equal (a random tiny
             # policy earns none); what is measured is the sync, not learning.
             adv = np.asarray(jax.random.normal(jax.random.PRNGKey(i), rewards.shape))

@@ -225,3 +225,13 @@ def test_update_baseline_is_an_ema_of_batch_means():
     np.testing.assert_allclose(losses.update_baseline(0.5, jnp.ones(3), momentum=0.0), 1.0)
     with pytest.raises(ValueError, match="momentum"):
         losses.update_baseline(0.0, jnp.ones(3), momentum=1.5)
+
+
+def test_advantages_of_both_algorithms():
+    r = np.array([1.0, 0.0, 0.0, 0.0], np.float32)
+    adv, baseline = losses.Advantages("reinforce", 1, baseline_momentum=0.9)(r, 0.5)
+    np.testing.assert_allclose(adv, r - 0.5)                        # the baseline before its update
+    np.testing.assert_allclose(baseline, 0.9 * 0.5 + 0.1 * r.mean(), rtol=1e-6)
+    adv, baseline = losses.Advantages("grpo", 2, scale_by_std=False)(r, 0.5)
+    np.testing.assert_allclose(adv, [0.5, -0.5, 0.0, 0.0])          # centred within each group
+    assert baseline == 0.5                                          # GRPO keeps no baseline

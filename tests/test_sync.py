@@ -22,7 +22,7 @@ from logra_jax.models.config import tiny
 from logra_jax.optim import LowRankUpdate, SketchSpec, logra
 from logra_jax.rl import build, sync, sync_sparse
 from logra_jax.rl.policy import Policy, Sequences
-from logra_jax.rl.rollout import collect_rollouts, score
+from logra_jax.rl.rollout import collect_rollouts
 from logra_jax.rl.sampler import Sampler
 from logra_jax.rl.sync_bytes import sync_bytes
 from logra_jax.rl.update import LossConfig, PolicyUpdate, TrainBatch
@@ -168,10 +168,10 @@ def tiny_grpo():
     on_rollout, on_train = NamedSharding(rollout_mesh, P("fsdp")), NamedSharding(train_mesh, P("fsdp"))
 
     def next_batch(i, params, engine):
-        ro = collect_rollouts(sampler, engine.params, tokenizer, data.next(), rl, config.data,
-                              jax.random.PRNGKey(i), on_rollout)
+        ro = collect_rollouts(sampler, engine.params, tokenizer, data.next(),
+                              build.build_rollout_spec(config), jax.random.PRNGKey(i), on_rollout)
         assert set(ro.rollout_logp.devices()) == set(rollout_devices)
-        rewards = score(ro.texts, ro.golds, rl)
+        rewards = build.build_grader(rl)(ro.texts, ro.golds)
         # A random policy earns no reward; random advantages still give a real update.
         adv = np.asarray(jax.random.normal(jax.random.PRNGKey(i), rewards.shape))
         seqs, logp, completed = jax.device_put((ro.seqs, ro.rollout_logp, ro.completed), on_train)

@@ -72,7 +72,7 @@ def _synthetic_batch(trainer, seed=0):
     config = trainer.config
     data = build.build_data(config.data, config.seed)
     ro = collect_rollouts(trainer.sampler, trainer.init_state()[0], trainer.tokenizer, data.next(),
-                          config.rl, config.data, jax.random.PRNGKey(seed), trainer.batch_sharding)
+                          trainer.rollout_spec, jax.random.PRNGKey(seed), trainer.batch_sharding)
     adv = jax.random.normal(jax.random.PRNGKey(seed + 1), ro.completed.shape)
     return TrainBatch(seqs=ro.seqs, advantages=adv, rollout_logp=ro.rollout_logp,
                       ref_logp=jnp.zeros_like(ro.rollout_logp), completed=ro.completed)

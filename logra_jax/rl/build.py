@@ -11,6 +11,9 @@ the same config always gives the same mesh, model, optimizer, loss and update, w
     build_loss(config.rl)                    the RL objective (LossConfig)
     build_policy_update(config, policy)      the jitted update (PolicyUpdate)
     build_sampler(config.rl, policy, tok)    the rollout sampler
+    build_rollout_spec(config)               how prompts become rollouts (group size, sampling, text)
+    build_grader(config.rl)                  the reward
+    build_advantages(config.rl)              rewards → advantages
 """
 
 from __future__ import annotations
@@ -29,7 +32,9 @@ from logra_jax import sharding as sharding_lib
 from logra_jax.data import PromptIterator, load_gsm8k, make_task_source
 from logra_jax.models import Decoder, ModelConfig, from_pretrained, gguf_loader
 from logra_jax.optim import SketchSpec, logra, variant_defaults, warmup_constant
+from logra_jax.rl.losses import Advantages
 from logra_jax.rl.policy import Policy
+from logra_jax.rl.rollout import Grader, RolloutSpec
 from logra_jax.rl.sampler import Sampler
 from logra_jax.rl.update import LossConfig, PolicyUpdate
 
@@ -194,3 +199,21 @@ def build_sampler(rl: ml_collections.ConfigDict, policy: Policy, tokenizer) -> S
     return Sampler(policy, max_prompt_length=rl.max_prompt_length,
                    max_completion_length=rl.max_completion_length, eos_ids=[tokenizer.eos_id],
                    pad_id=pad_id)
+
+
+def build_rollout_spec(config: ml_collections.ConfigDict) -> RolloutSpec:
+    rl, data = config.rl, config.data
+    return RolloutSpec(num_generations=rl.num_generations, max_prompt_length=rl.max_prompt_length,
+                       temperature=rl.temperature, top_p=rl.top_p, top_k=rl.top_k,
+                       system_prompt=data.system_prompt or None, instruction=data.instruction or None)
+
+
+def build_grader(rl: ml_collections.ConfigDict) -> Grader:
+    """The math reward; a wrong answer earns ``rl.failure_reward`` under REINFORCE only (§7)."""
+    return Grader(failure_reward=rl.failure_reward if rl.algorithm == "reinforce" else 0.0,
+                  format_reward_weight=rl.format_reward_weight)
+
+
+def build_advantages(rl: ml_collections.ConfigDict) -> Advantages:
+    return Advantages(algorithm=rl.algorithm, num_generations=rl.num_generations,
+                      scale_by_std=rl.scale_rewards, baseline_momentum=rl.baseline_momentum)

@@ -12,8 +12,11 @@ Aggregation (``loss_agg_mode``), for per-token losses ℓ_it and mask m_it:
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
 LOSS_AGG_MODES: tuple[str, ...] = ("token-mean", "sequence-mean")
@@ -200,3 +203,24 @@ def update_baseline(baseline: jax.Array | float, outcomes: jax.Array,
         raise ValueError(f"momentum must lie in [0, 1], got {momentum}")
     outcomes = jnp.asarray(outcomes, jnp.float32)
     return momentum * jnp.asarray(baseline, jnp.float32) + (1.0 - momentum) * jnp.mean(outcomes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Advantages:
+    """Rewards → advantages (§7): GRPO's group-relative ones, or REINFORCE's outcome minus a
+    running baseline, which is updated after use. ``__call__(rewards, baseline)`` returns
+    (advantages, next baseline)."""
+
+    algorithm: str = "grpo"
+    num_generations: int = 2
+    scale_by_std: bool = True
+    baseline_momentum: float = 0.9
+
+    def __call__(self, rewards: np.ndarray, baseline: float) -> tuple[np.ndarray, float]:
+        if self.algorithm == "grpo":
+            adv = group_advantages(jnp.asarray(rewards), self.num_generations,
+                                   scale_by_std=self.scale_by_std)
+            return np.asarray(adv), baseline
+        adv = (rewards - baseline).astype(np.float32)
+        return adv, float(update_baseline(baseline, jnp.asarray(rewards),
+                                          momentum=self.baseline_momentum))

@@ -1,4 +1,5 @@
-"""Rollouts: completions sampled and graded, and the weights the sampler uses (docs/algorithm.md §7–8).
+"""Rollouts: completions sampled (`collect_rollouts` with a `RolloutSpec`) and graded (`Grader`),
+and the weights the sampler uses (docs/algorithm.md §7–8).
 
 The loop sees one small interface for where rollouts come from, so it does not branch on the sync
 mode. `RolloutSource` gives the weights to sample with and the batch's placement, and hears about
@@ -25,6 +26,38 @@ from logra_jax.rl.sampler import Sampler, decode_completions, pad_prompts
 from logra_jax.rl.update import CompactUpdate
 
 
+@dataclasses.dataclass(frozen=True)
+class RolloutSpec:
+    """How prompts become rollouts: the group size, the prompt window, sampling and prompt text."""
+
+    num_generations: int
+    max_prompt_length: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    system_prompt: str | None = None
+    instruction: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Grader:
+    """Outcome reward per completion (docs/algorithm.md §7), plus an optional format reward.
+
+    failure_reward: what a wrong answer earns (the KL variant's REINFORCE: −0.01; GRPO: 0).
+    """
+
+    failure_reward: float = 0.0
+    format_reward_weight: float = 0.0
+
+    def __call__(self, texts: list[str], golds: list[str]) -> np.ndarray:
+        r = np.array([rewards.math_reward(t, g, failure_reward=self.failure_reward)
+                      for t, g in zip(texts, golds)], np.float32)
+        if self.format_reward_weight:
+            r += self.format_reward_weight * np.array([rewards.format_reward(t) for t in texts],
+                                                      np.float32)
+        return r
+
+
 @dataclasses.dataclass
 class Rollouts:
     seqs: Sequences
@@ -34,31 +67,21 @@ class Rollouts:
     golds: list[str]
 
 
-def collect_rollouts(sampler: Sampler, params, tokenizer, examples, rl_cfg, data_cfg, rng,
+def collect_rollouts(sampler: Sampler, params, tokenizer, examples, spec: RolloutSpec, rng,
                      batch_sharding) -> Rollouts:
     """Samples ``num_generations`` completions per prompt (rows of a group are adjacent)."""
-    prompts = [format_prompt(ex["question"], tokenizer, system_prompt=data_cfg.system_prompt or None,
-                             instruction=data_cfg.instruction or None) for ex in examples]
-    ids = [tokenizer.encode(p) for p in prompts for _ in range(rl_cfg.num_generations)]
-    tokens, mask = pad_prompts(ids, rl_cfg.max_prompt_length, sampler.pad_id)
+    prompts = [format_prompt(ex["question"], tokenizer, system_prompt=spec.system_prompt,
+                             instruction=spec.instruction) for ex in examples]
+    ids = [tokenizer.encode(p) for p in prompts for _ in range(spec.num_generations)]
+    tokens, mask = pad_prompts(ids, spec.max_prompt_length, sampler.pad_id)
     tokens, mask = jax.device_put((tokens, mask), batch_sharding)
-    out = sampler.generate(params, tokens, mask, rng, temperature=rl_cfg.temperature,
-                           top_p=rl_cfg.top_p, top_k=rl_cfg.top_k)
+    out = sampler.generate(params, tokens, mask, rng, temperature=spec.temperature,
+                           top_p=spec.top_p, top_k=spec.top_k)
     seqs = Sequences.from_sample(out.prompt_tokens, out.prompt_mask, out.tokens, out.mask)
     texts = decode_completions(tokenizer, np.asarray(out.tokens), np.asarray(out.mask), sampler.eos_ids)
-    golds = [ex["answer"] for ex in examples for _ in range(rl_cfg.num_generations)]
+    golds = [ex["answer"] for ex in examples for _ in range(spec.num_generations)]
     return Rollouts(seqs=seqs, rollout_logp=out.logprobs, completed=out.finished, texts=texts,
                     golds=golds)
-
-
-def score(texts: list[str], golds: list[str], rl_cfg) -> np.ndarray:
-    """Outcome reward per completion (+ optional format reward)."""
-    failure = rl_cfg.failure_reward if rl_cfg.algorithm == "reinforce" else 0.0
-    r = np.array([rewards.math_reward(t, g, failure_reward=failure) for t, g in zip(texts, golds)],
-                 np.float32)
-    if rl_cfg.format_reward_weight:
-        r += rl_cfg.format_reward_weight * np.array([rewards.format_reward(t) for t in texts], np.float32)
-    return r
 
 
 class RolloutSource(Protocol):

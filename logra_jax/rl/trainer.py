@@ -33,9 +33,9 @@ from logra_jax import config as config_lib
 from logra_jax import metrics as metrics_lib
 from logra_jax import sharding as sharding_lib
 from logra_jax.optim import logra_metrics
-from logra_jax.rl import build, losses, sync
+from logra_jax.rl import build, sync
 from logra_jax.rl.policy import Policy, Sequences
-from logra_jax.rl.rollout import Rollouts, RolloutSource, collect_rollouts, rollout_source, score
+from logra_jax.rl.rollout import Rollouts, RolloutSource, collect_rollouts, rollout_source
 from logra_jax.rl.update import TrainBatch
 
 
@@ -77,6 +77,9 @@ class Trainer:
         self.update = build.build_policy_update(config, self.policy, optimizer=self.optimizer,
                                                 return_updates=self.sync_mode == "factors")
         self.sampler = build.build_sampler(config.rl, self.policy, self.tokenizer)
+        self.rollout_spec = build.build_rollout_spec(config)
+        self.grader = build.build_grader(config.rl)
+        self.advantages = build.build_advantages(config.rl)
         rows = config.data.prompts_per_step * config.rl.num_generations
         self.batch_sharding = sharding_lib.batch_sharding(self.mesh, rows)
         self.rollout_batch_sharding = sharding_lib.batch_sharding(self.rollout_mesh, rows)
@@ -110,16 +113,6 @@ class Trainer:
         if self.reference_params is None:
             return jnp.zeros_like(ro.rollout_logp)
         return self._ref_logprobs(self.reference_params, ro.seqs)
-
-    def advantages(self, r: np.ndarray, baseline: float) -> tuple[np.ndarray, float]:
-        rl = self.config.rl
-        if rl.algorithm == "grpo":
-            adv = losses.group_advantages(jnp.asarray(r), rl.num_generations,
-                                          scale_by_std=rl.scale_rewards)
-            return np.asarray(adv), baseline
-        adv = r - baseline  # the baseline is updated after use (docs/algorithm.md §7)
-        return adv.astype(np.float32), float(losses.update_baseline(baseline, jnp.asarray(r),
-                                                                     momentum=rl.baseline_momentum))
 
 
 class Preempted(Exception):
@@ -252,7 +245,6 @@ class Run:
     def _steps(self, stop, step, params, opt_state, baseline, rollouts, writer, base_rng):
         """The steps from ``step`` to max_steps (or to a stop request): the five of the docstring."""
         config, t, data, ckpt = self.config, self.trainer, self.data, self.ckpt
-        rl = config.rl
         last: dict[str, Any] = {}
         while step < config.max_steps and stop.signum is None:
             step += 1
@@ -261,15 +253,15 @@ class Run:
 
             # 1. Rollout with the sampler's weights, on its devices; the batch then moves to ours.
             with _timed(times, "time/rollout"):
-                ro = collect_rollouts(t.sampler, rollouts.weights, t.tokenizer, data.next(), rl,
-                                      config.data, rng, rollouts.batch_sharding)
+                ro = collect_rollouts(t.sampler, rollouts.weights, t.tokenizer, data.next(),
+                                      t.rollout_spec, rng, rollouts.batch_sharding)
                 ro.seqs, ro.rollout_logp, ro.completed = jax.device_put(
                     (ro.seqs, ro.rollout_logp, ro.completed), t.batch_sharding)
 
             # 2. Rewards and advantages.
             with _timed(times, "time/reward"):
-                r = score(ro.texts, ro.golds, rl)
-                adv, baseline = t.advantages(r, baseline)
+                r = t.grader(ro.texts, ro.golds)
+                adv, baseline = t.advantages(r, baseline)  # REINFORCE: baseline updated after use
 
             # 3. Reference log-probs (zeros when beta = 0).
             with _timed(times, "time/reference"):
