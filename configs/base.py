@@ -87,6 +87,7 @@ def get_config() -> ml_collections.ConfigDict:
         name="logra",                     # "logra" | "adamw" (the dense baseline)
         warmup_steps=0,                   # linear warmup of `learning_rate` (either section)
         probe_size=2,                     # rows for the predicted and the realized KL
+        max_consecutive_skips=3,          # non-finite updates in a row (skipped) that stop the run
     ))
     # logra_jax.optim.logra(...) (docs/algorithm.md §2–6). Variants: LOGRA_VARIANTS above.
     c.optimizer.logra = ml_collections.ConfigDict(dict(

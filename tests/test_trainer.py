@@ -227,6 +227,30 @@ def test_sync_modes_with_and_without_rollout_devices(mode, rollout_devices, tmp_
     assert moved > 0  # the updates did move the bf16 weights the sampler holds
 
 
+@pytest.mark.parametrize("name, optimizer", [
+    ("adamw", dict(adamw=dict(learning_rate=1e38))),
+    ("logra-grpo", dict(logra=dict(learning_rate=1e38, kl_control=False))),
+])
+def test_a_diverging_run_stops_before_a_bad_checkpoint(name, optimizer, tmp_path):
+    """A learning rate of 1e38 throws the weights to ±1e38 in one update; the next losses are not
+    finite, so their updates are skipped (weights unchanged) until the run stops with one error.
+    (REINFORCE: its failure reward gives the tiny model a gradient.)"""
+    config = make_config(name, max_steps=8, rl=dict(algorithm="reinforce"),
+                         optimizer=dict(max_consecutive_skips=2, **optimizer),
+                         checkpoint=dict(every=1, keep=20))
+    run = trainer_lib.Run(config, tmp_path)
+    with pytest.raises(ValueError, match=r"(2 updates in a row were not finite|weights are not finite)"):
+        run.loop()
+    run.close()
+    assert len(metrics.read_jsonl(tmp_path / "metrics.jsonl")) < 8   # it stopped early
+    saved = trainer_lib.checkpoint_lib.Checkpointer(tmp_path / "checkpoints")
+    params0, _ = run.trainer.init_state()
+    for step in saved.all_steps():       # every checkpoint written holds finite weights
+        params = saved.restore_params(step, params0)
+        assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(params)), step
+    saved.close()
+
+
 @pytest.mark.parametrize("overrides, message", [
     (dict(rl=dict(num_generations=1)), "num_generations=1"),
     (dict(mesh=dict(fsdp=3)), "but there are 8 devices"),

@@ -33,6 +33,7 @@ from logra_jax import config as config_lib
 from logra_jax import metrics as metrics_lib
 from logra_jax import sharding as sharding_lib
 from logra_jax.optim import logra_metrics
+from logra_jax.optim.low_rank import all_finite
 from logra_jax.rl import build, sync
 from logra_jax.rl.policy import Policy, Sequences
 from logra_jax.rl.rollout import Rollouts, RolloutSource, collect_rollouts, rollout_source
@@ -84,6 +85,7 @@ class Trainer:
         self.batch_sharding = sharding_lib.batch_sharding(self.mesh, rows)
         self.rollout_batch_sharding = sharding_lib.batch_sharding(self.rollout_mesh, rows)
         self._ref_logprobs = jax.jit(self._ref_logprobs_impl)
+        self.params_finite = jax.jit(all_finite)
         # Optimizer state sharded like the params it belongs to (RowAdam's v like the kernel's out
         # dim): jit(tx.init) alone puts every output on one device, since none depends on values.
         self._init_opt = jax.jit(self.tx.init,
@@ -231,9 +233,11 @@ class Run:
                                            progress=config.log.progress)
         base_rng = jax.random.PRNGKey(config.seed)
         with _StopRequest() as stop:
-            last, step, params, opt_state = self._steps(
-                stop, step, params, opt_state, baseline, rollouts, writer, base_rng)
-        writer.close()
+            try:
+                last, step, params, opt_state = self._steps(
+                    stop, step, params, opt_state, baseline, rollouts, writer, base_rng)
+            finally:
+                writer.close()
         self.params, self.opt_state = params, opt_state
         self.engine = getattr(rollouts, "engine", None)
         if stop.signum is not None:
@@ -246,6 +250,7 @@ class Run:
         """The steps from ``step`` to max_steps (or to a stop request): the five of the docstring."""
         config, t, data, ckpt = self.config, self.trainer, self.data, self.ckpt
         last: dict[str, Any] = {}
+        skipped_in_a_row = 0
         while step < config.max_steps and stop.signum is None:
             step += 1
             times: dict[str, float] = {}
@@ -283,11 +288,33 @@ class Run:
             last = writer.write(step, step_row(t, step, update_metrics, r, ro, opt_state, times))
             if config.log.sample_every and step % config.log.sample_every == 0:
                 logging.info("step %d sample: %r → reward %.2f", step, ro.texts[0], r[0])
+            skipped_in_a_row = self._check_divergence(step, last, params, skipped_in_a_row)
             if (step % config.checkpoint.every == 0 or step == config.max_steps
                     or stop.signum is not None):
                 ckpt.save(step, (params, opt_state),
                           {"step": step, "baseline": baseline, "data": data.state()})
         return last, step, params, opt_state
+
+    def _check_divergence(self, step: int, row: dict, params, skipped_in_a_row: int) -> int:
+        """Counts updates dropped as non-finite (the weights stayed as they were) and stops the run
+        after ``optimizer.max_consecutive_skips`` of them in a row, or when the weights themselves
+        are not finite — before either could reach a checkpoint. Returns the new count."""
+        limit = self.config.optimizer.max_consecutive_skips
+        latest = self.ckpt.latest_step()
+        kept = f"the last checkpoint is step {latest}" if latest is not None else "no checkpoint yet"
+        if not bool(self.trainer.params_finite(params)):
+            raise ValueError(f"step {step}: the weights are not finite (the run diverged); they were "
+                             f"not saved, {kept}; lower the learning rate")
+        if not row.get("logra/skipped", False):
+            return 0
+        skipped_in_a_row += 1
+        logging.warning("step %d: the update was not finite and was skipped (weights unchanged); "
+                        "%d in a row of at most %d", step, skipped_in_a_row, limit)
+        if skipped_in_a_row >= limit:
+            raise ValueError(f"{skipped_in_a_row} updates in a row were not finite (steps "
+                             f"{step - skipped_in_a_row + 1}–{step}): the run diverged; {kept}; "
+                             f"lower the learning rate (optimizer.max_consecutive_skips={limit})")
+        return skipped_in_a_row
 
     def close(self) -> None:
         self.ckpt.close()
