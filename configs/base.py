@@ -65,6 +65,8 @@ def get_config() -> ml_collections.ConfigDict:
         instruction="",                   # appended to the question; "" = the question alone
         prompts_per_step=8,
         shuffle=True,
+        skip_long_prompts=False,          # True: leave out prompts longer than rl.max_prompt_length
+                                          # (False: they are an error, found before compiling)
     ))
 
     c.rl = ml_collections.ConfigDict(dict(
@@ -76,6 +78,7 @@ def get_config() -> ml_collections.ConfigDict:
         epsilon=0.2, epsilon_high=0.0,    # 0 → symmetric clipping
         loss_agg_mode="token-mean",
         scale_rewards=True,
+        advantage_baseline="mean",        # grpo: "mean" (TRL) | "leave_one_out" (the reference)
         micro_batch_size=8,
         failure_reward=-0.01, baseline_momentum=0.9, is_cap=2.0,   # reinforce only
         format_reward_weight=0.0,
@@ -88,11 +91,13 @@ def get_config() -> ml_collections.ConfigDict:
         warmup_steps=0,                   # linear warmup of `learning_rate` (either section)
         probe_size=2,                     # rows for the predicted and the realized KL
         max_consecutive_skips=3,          # non-finite updates in a row (skipped) that stop the run
+        max_weight_norm_growth=2.0,       # ‖θ‖ > this × the initial ‖θ‖ stops the run (diverged)
     ))
     # logra_jax.optim.logra(...) (docs/algorithm.md §2–6). Variants: LOGRA_VARIANTS above.
     c.optimizer.logra = ml_collections.ConfigDict(dict(
         variant="grpo",                   # "grpo" | "kl"
-        learning_rate=1e-6, weight_decay=0.0, max_grad_norm=1.0,   # grpo only (inf: no clipping)
+        learning_rate=1e-6, weight_decay=0.0,                      # grpo only
+        max_grad_norm=placeholder(float),  # None: 1.0 for grpo, no clipping for kl; inf: none
         # sketch and RowAdam (§2–4)
         targets=DEFAULT_TARGETS, rank=256, b2=0.95, eps=1e-8, seed=42, refresh=True,
         distribution="rademacher",
@@ -102,6 +107,9 @@ def get_config() -> ml_collections.ConfigDict:
         kl_control=placeholder(bool),     # None: on for kl, off for grpo
         kl_budget=2e-4, kl_budget_final=2e-5, kl_budget_horizon=300, alpha_max=3.0,
         mismatch_weight=0.3,
+        kl_safeguard=2.0,                 # measured KL > this × budget: the step is scaled back
+        kl_correction=0.3,                # EMA weight of the learned realized/predicted ratio
+                                          # (inf and 0: the reference's controller)
         update_ratio=6e-5,                # kl only: relative size of the proposed step
         factor_dtype=placeholder(str),    # "bfloat16": round the GRPO variant's U (exact factors sync)
     ))

@@ -37,7 +37,9 @@ def get_config():
 
     base.use_logra_variant(c, "grpo")
     c.optimizer.warmup_steps = 50
-    c.optimizer.logra.update(rank=256, learning_rate=5e-6,   # AdamW's rate; LoGRA's is not public
+    # In the reference GRPO variant the targets take the AdamW group's lr, weight decay and
+    # schedule (warmup from 0.1·lr): the same 5e-6, 0.01 and 50 steps for both groups here.
+    c.optimizer.logra.update(rank=256, learning_rate=5e-6,
                              weight_decay=0.01, others_learning_rate=5e-6,
                              others_weight_decay=0.01, others_warmup_steps=50)
     c.optimizer.adamw.update(learning_rate=5e-6, weight_decay=0.01)

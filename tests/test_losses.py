@@ -1,5 +1,7 @@
 """GRPO / REINFORCE losses against direct float64 numpy transcriptions of their equations."""
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -235,3 +237,58 @@ def test_advantages_of_both_algorithms():
     adv, baseline = losses.Advantages("grpo", 2, scale_by_std=False)(r, 0.5)
     np.testing.assert_allclose(adv, [0.5, -0.5, 0.0, 0.0])          # centred within each group
     assert baseline == 0.5                                          # GRPO keeps no baseline
+
+
+# ---------------------------------------------------------------- the reference recipe's details
+def test_leave_one_out_baseline_and_std_as_the_reference():
+    """RLOO: b_i = mean of the other responses' rewards; scaled by the group's unbiased std + 1e-6.
+    Group [1, 0, 0, 1]: b = 1/3 for the ones, 2/3 for the zeros, σ = sqrt(1/3), so A = ±(2/3)/σ."""
+    got = losses.group_advantages(jnp.asarray([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0]), 4,
+                                  baseline="leave_one_out")
+    a = (2 / 3) / (math.sqrt(1 / 3) + 1e-6)
+    np.testing.assert_allclose(got, [a, -a, -a, a, 0, 0, 0, 0], rtol=1e-6)
+    unscaled = losses.group_advantages(jnp.asarray([1.0, 0.0, 0.0, 0.5]), 4, scale_by_std=False,
+                                       baseline="leave_one_out")
+    np.testing.assert_allclose(unscaled, [1 - 0.5 / 3, -1.5 / 3, -1.5 / 3, 0.5 - 1 / 3], rtol=1e-6)
+    adv, _ = losses.Advantages("grpo", 4, group_baseline="leave_one_out")(
+        np.array([1.0, 0.0, 0.0, 1.0], np.float32), 0.0)
+    np.testing.assert_allclose(adv, got[:4], rtol=1e-6)
+    with pytest.raises(ValueError, match="baseline"):
+        losses.group_advantages(jnp.zeros(4), 4, baseline="median")
+
+
+@pytest.mark.parametrize("baseline", ["mean", "leave_one_out"])
+def test_nonfinite_rewards_are_masked_from_group_advantages(baseline):
+    """A NaN reward gets advantage 0 and is left out of its group's statistics: the group
+    [1, NaN, 0, 1] gives the advantages of the group [1, 0, 1] to its other rows."""
+    got = losses.group_advantages(jnp.asarray([1.0, np.nan, 0.0, 1.0]), 4, baseline=baseline)
+    three = losses.group_advantages(jnp.asarray([1.0, 0.0, 1.0]), 3, baseline=baseline)
+    np.testing.assert_allclose(got, [three[0], 0.0, three[1], three[2]], rtol=1e-6)
+    lone = losses.group_advantages(jnp.asarray([np.nan, np.nan, np.inf, 1.0]), 4, baseline=baseline)
+    np.testing.assert_array_equal(lone, 0.0)   # one finite reward: nothing to compare it with
+
+
+def test_nonfinite_rewards_are_masked_from_the_running_baseline():
+    """The reference masks the row: b ← 0.9·0.5 + 0.1·mean(1, 0) = 0.5; all-NaN leaves b."""
+    np.testing.assert_allclose(losses.update_baseline(0.5, jnp.asarray([1.0, np.nan, 0.0])), 0.5,
+                               rtol=1e-6)
+    np.testing.assert_allclose(losses.update_baseline(0.25, jnp.asarray([np.nan, np.nan])), 0.25)
+    adv, baseline = losses.Advantages("reinforce", 1)(np.array([1.0, np.nan], np.float32), 0.5)
+    np.testing.assert_allclose(adv, [0.5, 0.0])
+    np.testing.assert_allclose(baseline, 0.9 * 0.5 + 0.1 * 1.0, rtol=1e-6)
+
+
+def test_truncated_importance_weight_is_zero_for_an_impossible_rollout_token():
+    """log π_rollout = −inf (the sampler gave the token probability 0): w = 0, as the reference
+    (exp(logp + inf) capped would give is_cap = 2); log π_θ = −inf too: no NaN in loss or gradient."""
+    logp = jnp.asarray([[-1.0, -2.0, -np.inf]], jnp.float32)
+    rollout = jnp.asarray([[-1.0, -np.inf, -0.5]], jnp.float32)
+    mask = jnp.ones((1, 3))
+
+    def loss_fn(lp):
+        return losses.reinforce_loss(lp, rollout, jnp.asarray([1.0]), mask, is_cap=2.0)
+    (loss, metrics), grad = jax.value_and_grad(loss_fn, has_aux=True)(logp)
+    np.testing.assert_allclose(loss, -1.0 * 1.0 * -1.0 / 3, rtol=1e-6)   # only token 0 counts
+    np.testing.assert_allclose(grad, [[-1.0 / 3, 0.0, 0.0]], rtol=1e-6)
+    np.testing.assert_allclose(metrics["importance_weight/mean"], 1.0 / 3, rtol=1e-6)
+    np.testing.assert_allclose(metrics["rollout_mismatch"], 0.0, atol=1e-7)

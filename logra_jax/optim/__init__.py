@@ -18,12 +18,13 @@ from logra_jax.optim.logra import (LOGRA_STATIC_ARGS, logra, logra_metrics, upda
                                    variant_defaults, warmup_constant)
 from logra_jax.optim.low_rank import LowRankUpdate, apply_updates
 from logra_jax.optim.predicted_kl import (PredictedKLState, exact_kl, exact_kl_from_hidden,
-                                          kl_budget_schedule, make_predict_kl,
+                                          kl_budget_schedule, make_candidate_kl, make_predict_kl,
                                           predicted_kl_from_tangent, scale_by_predicted_kl)
 from logra_jax.projections import SketchProbe, projection, projection_keys
 from logra_jax.optim.row_adam import RowAdamState, scale_by_row_adam
 from logra_jax.optim.targets import (DEFAULT_TARGETS, SketchSpec, TargetInfo, make_probes,
-                                     merge_targets, probe_factors, split_targets, with_factors)
+                                     merge_targets, probe_factors, split_targets, with_factors,
+                                     with_update_factors)
 from logra_jax.optim.transforms import (clip_by_reconstructed_norm, scale_by_step_size,
                                         scale_by_update_ratio, skip_nonfinite, to_low_rank_updates)
 
@@ -31,10 +32,10 @@ __all__ = [
     "DEFAULT_TARGETS", "LOGRA_STATIC_ARGS", "LowRankUpdate", "PredictedKLState", "RowAdamState",
     "SketchProbe", "SketchSpec", "TargetInfo", "apply_updates", "clip_by_reconstructed_norm",
     "exact_kl", "exact_kl_from_hidden", "kl_budget_schedule", "logra", "logra_metrics",
-    "make_predict_kl", "make_probes",
+    "make_candidate_kl", "make_predict_kl", "make_probes",
     "merge_targets", "predicted_kl_from_tangent", "probe_factors", "projection", "projection_keys",
     "scale_by_predicted_kl", "scale_by_row_adam", "scale_by_step_size", "scale_by_update_ratio",
     "skip_nonfinite", "split_targets", "to_low_rank_updates", "update_index", "variant_defaults",
     "warmup_constant",
-    "with_factors",
+    "with_factors", "with_update_factors",
 ]

@@ -52,15 +52,22 @@ def _check(name: str, value, ok, requirement: str):
         raise ValueError(f"{name} must be {requirement}, got {value!r}")
 
 
-def warmup_constant(learning_rate: optax.ScalarOrSchedule, warmup_steps) -> optax.Schedule:
-    """lr(t)·min(1, t / warmup_steps): linear warmup from 0 (HF-style; t counts updates).
+WARMUP_START = 0.1   # the reference recipe's warmup starts at 0.1·lr (docs/algorithm.md §5)
+
+
+def warmup_constant(learning_rate: optax.ScalarOrSchedule, warmup_steps,
+                    start: float = WARMUP_START) -> optax.Schedule:
+    """lr(t)·(s + (1 − s)·min(1, t / W)): linear warmup from s·lr to lr over W = warmup_steps
+    updates (t counts updates), s = 0.1 as in the reference recipe, so the first update already
+    moves the weights (from 0, it would only feed its gradient into the moments).
 
     Written with jnp so that warmup_steps may be an array (optax.linear_schedule needs an int).
     """
     def schedule(count):
         lr = learning_rate(count) if callable(learning_rate) else learning_rate
         warm = jnp.asarray(warmup_steps, jnp.float32)
-        frac = jnp.where(warm > 0, jnp.minimum(1.0, count / jnp.maximum(warm, 1.0)), 1.0)
+        ramp = jnp.minimum(1.0, count / jnp.maximum(warm, 1.0))
+        frac = jnp.where(warm > 0, start + (1.0 - start) * ramp, 1.0)
         return jnp.asarray(lr, jnp.float32) * frac
     return schedule
 
@@ -79,10 +86,21 @@ def variant_defaults(variant: str, others: str | None, kl_control: bool | None) 
     return others, bool(kl_control)
 
 
+def clip_norm_default(variant: str, max_grad_norm: float | None) -> float | None:
+    """The clipping threshold, None for none: the GRPO variant clips at 1.0 unless told otherwise;
+    the KL variant does not clip (the reference never does: its step is sized by update_ratio and
+    the KL controller, §5). ``inf`` means no clipping for either."""
+    if max_grad_norm is None:
+        return 1.0 if variant == "grpo" else None
+    if _concrete(max_grad_norm) and float(max_grad_norm) == float("inf"):
+        return None
+    return max_grad_norm
+
+
 def logra(*, variant: str = "grpo",
           learning_rate: optax.ScalarOrSchedule = 1e-6,
           weight_decay: float = 0.0,
-          max_grad_norm: float | None = 1.0,
+          max_grad_norm: float | None = None,
           rank: int = 256, b2: float = 0.95, eps: float = 1e-8, seed: int = 42,
           refresh: bool = True, distribution: str = "rademacher", targets: str = DEFAULT_TARGETS,
           others: str | None = None,
@@ -91,6 +109,7 @@ def logra(*, variant: str = "grpo",
           kl_control: bool | None = None,
           kl_budget: float = 2e-4, kl_budget_final: float = 2e-5, kl_budget_horizon: int = 300,
           alpha_max: float = 3.0, mismatch_weight: float = 0.3,
+          kl_safeguard: float = 2.0, kl_correction: float = 0.3,
           update_ratio: float = 6e-5,
           factor_dtype: str | None = None) -> optax.GradientTransformationExtraArgs:
     """LoGRA: sketched RowAdam for the projection matrices, AdamW or freezing for the rest.
@@ -99,10 +118,12 @@ def logra(*, variant: str = "grpo",
       variant: "grpo" — ΔW = −lr(t)·D·A with decoupled weight decay and clipping on the
         reconstructed norm; "kl" — no learning rate: one global c = update_ratio·‖W‖/‖ΔW‖, then the
         KL controller's α, then U rounded to bf16.
-      learning_rate: η, float or schedule (grpo only; the reference's value is not public, 1e-6 is
-        a usual RL post-training rate). weight_decay: decoupled, W ← (1 − η·wd)·W (grpo only).
-      max_grad_norm: clip on the reconstructed global norm (None: no clipping; grad_norm is still
-        reported).
+      learning_rate: η, float or schedule (grpo only; in the reference GRPO variant the targets
+        take the AdamW group's lr, weight decay and schedule — 1e-6 here is a usual RL
+        post-training rate). weight_decay: decoupled, W ← (1 − η·wd)·W (grpo only).
+      max_grad_norm: clip on the reconstructed global norm (grad_norm is reported either way);
+        None: the variant's default — 1.0 for grpo, no clipping for kl (as the reference);
+        inf: no clipping.
       rank, b2, eps, seed, refresh, distribution, targets: the sketch (SketchSpec) and RowAdam.
       others: "adamw" (default for grpo) or "frozen" (default for kl) for non-target params;
         others_learning_rate / others_weight_decay / others_warmup_steps configure that AdamW.
@@ -110,12 +131,15 @@ def logra(*, variant: str = "grpo",
         then ``update`` needs ``predict_kl=`` (and optionally ``mismatch=``). α scales the gradient
         step of every parameter; a GRPO run's decoupled weight decay is neither predicted nor scaled.
       kl_budget, kl_budget_final, kl_budget_horizon, alpha_max, mismatch_weight: the controller.
+      kl_safeguard, kl_correction: the measured-KL safeguard and the learned correction of the
+        prediction (``scale_by_predicted_kl``; they run when ``update`` gets ``candidate_kl=``);
+        inf and 0 give the reference controller.
       update_ratio: relative size of the KL variant's proposed step.
       factor_dtype: round the GRPO variant's factor U to this dtype ("bfloat16") before the merge,
         so a rollout engine receiving U (§8) applies exactly the trainer's update with half the
         bytes of an fp32 U (≤ r/in of the bf16 weights). The KL variant always rounds to bf16.
 
-    Update kwargs: ``predict_kl`` and ``mismatch`` (kl_control), ``num_tokens`` (variant "kl": the
+    Update kwargs: ``predict_kl``, ``mismatch`` and ``candidate_kl`` (kl_control), ``num_tokens`` (variant "kl": the
     number of valid generated tokens the sketches sum over; default 1 = already a token mean).
     Target gradients may be sketches (memory-saving) or dense (drop-in; saves state only).
     Returned target updates are ``LowRankUpdate``; apply with ``apply_updates`` (layer by layer)
@@ -163,11 +187,11 @@ def logra(*, variant: str = "grpo",
         return map_with_paths(lambda path, x: None if x is None else (
             _TARGET_LABEL if spec.is_target(path) else _OTHER_LABEL), tree)
 
-    parts = [clip_by_reconstructed_norm(spec, max_grad_norm),
+    parts = [clip_by_reconstructed_norm(spec, clip_norm_default(variant, max_grad_norm)),
              optax.partition({_TARGET_LABEL: target_tx, _OTHER_LABEL: other_tx}, labels)]
     if kl_control:
         parts.append(scale_by_predicted_kl(kl_budget, kl_budget_final, kl_budget_horizon,
-                                           alpha_max, mismatch_weight))
+                                           alpha_max, mismatch_weight, kl_safeguard, kl_correction))
     parts.append(wrap)
     return _scalars_on_params_mesh(skip_nonfinite(optax.chain(*parts)))
 
@@ -216,8 +240,10 @@ def logra_metrics(opt_state) -> dict[str, Any]:
 
     grad_norm: reconstructed global gradient norm; logra/update_index; logra/skipped (last update
     dropped as non-finite) and logra/num_skipped; with KL control: logra/candidate_kl (predicted KL
-    of the unscaled candidate), logra/predicted_kl (α²·candidate: predicted for the applied update —
-    compare with the realized KL), logra/alpha, logra/effective_budget, logra/mismatch.
+    of the unscaled candidate), logra/predicted_kl (ρ·(α·s)²·candidate: predicted for the applied
+    update — compare with the realized KL), logra/alpha, logra/effective_budget, logra/mismatch,
+    and with the safeguard logra/checked_kl (measured KL of the α-scaled candidate), logra/backoff
+    (s) and logra/kl_ratio (ρ learned for the next update).
     """
     metrics: dict[str, Any] = {}
     for state in _find_states(opt_state, ReconstructedNormState)[:1]:
@@ -229,8 +255,11 @@ def logra_metrics(opt_state) -> dict[str, Any]:
         metrics["logra/num_skipped"] = state.num_skipped
     for state in _find_states(opt_state, PredictedKLState)[:1]:
         metrics["logra/candidate_kl"] = state.candidate_kl
-        metrics["logra/predicted_kl"] = jnp.square(state.alpha) * state.candidate_kl
+        metrics["logra/predicted_kl"] = state.predicted_kl
         metrics["logra/alpha"] = state.alpha
         metrics["logra/effective_budget"] = state.effective_budget
         metrics["logra/mismatch"] = state.mismatch
+        metrics["logra/checked_kl"] = state.checked_kl
+        metrics["logra/backoff"] = state.backoff
+        metrics["logra/kl_ratio"] = state.kl_ratio
     return metrics

@@ -174,6 +174,18 @@ def with_factors(probes: dict[str, SketchProbe], factors: dict[str, jax.Array]) 
     return {path: dataclasses.replace(probe, factor=factors[path]) for path, probe in probes.items()}
 
 
+def with_update_factors(probes: dict[str, SketchProbe],
+                        factors: dict[str, jax.Array]) -> dict[str, SketchProbe]:
+    """The probes carrying nonzero factors B = U: target l then computes x·W_l + (x·A_lᵀ)·U_lᵀ,
+    the layer at W_l + U_l·A_l, without forming U_l·A_l (the predicted-KL safeguard runs the
+    candidate update this way before it is merged)."""
+    missing = set(probes) ^ set(factors)
+    if missing:
+        raise ValueError(f"probes and factors disagree on targets: {sorted(missing)}")
+    return {path: dataclasses.replace(probe, factor=factors[path], factor_is_zero=False)
+            for path, probe in probes.items()}
+
+
 def split_targets(tree, spec: SketchSpec) -> tuple[dict[str, Any], Any]:
     """(targets {path: leaf}, others: the same tree with ``None`` at every target)."""
     targets = {}

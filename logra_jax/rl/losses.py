@@ -62,27 +62,49 @@ def aggregate(per_token: jax.Array, mask: jax.Array, loss_agg_mode: str) -> jax.
     return _masked_mean(per_sequence, (tokens > 0).astype(per_token.dtype))
 
 
+ADVANTAGE_BASELINES: tuple[str, ...] = ("mean", "leave_one_out")
+
+
 def group_advantages(rewards: jax.Array, num_generations: int, *, scale_by_std: bool = True,
-                     eps: float = 1e-4) -> jax.Array:
+                     baseline: str = "mean", eps: float | None = None) -> jax.Array:
     """Group-relative advantages of GRPO.
 
-    ``rewards`` is flat [n·G], the G generations of each prompt adjacent. Within group g:
-        A_gi = r_gi − mean_j r_gj                       (scale_by_std=False)
-        A_gi = (r_gi − mean_j r_gj) / (std_j r_gj + ε)  (scale_by_std=True)
-    with the unbiased std (ddof = 1), as TRL computes it. A group whose rewards are all equal
-    gets zero advantage: it carries no learning signal.
+    ``rewards`` is flat [n·G], the G generations of each prompt adjacent. Within group g, with
+    baseline b_gi and σ_g the unbiased std (ddof = 1) of the group's rewards:
+        A_gi = r_gi − b_gi                  (scale_by_std=False)
+        A_gi = (r_gi − b_gi) / (σ_g + ε)    (scale_by_std=True)
+    baseline="mean": b_gi = mean_j r_gj and ε = 1e-4, as TRL computes it;
+    baseline="leave_one_out": b_gi = mean_{j≠i} r_gj (RLOO: a response is never its own baseline)
+    and ε = 1e-6, as the reference recipe. A group whose rewards are all equal gets zero advantage
+    either way: it carries no learning signal.
+
+    A non-finite reward (a grader that failed) masks its row: the row gets advantage 0 and the
+    group's baseline and σ are taken over its finite rewards only.
     """
+    _check_choice("baseline", baseline, ADVANTAGE_BASELINES)
     if not isinstance(num_generations, int) or num_generations < 2:
         raise ValueError(f"num_generations must be an int >= 2 for group-relative advantages, "
                          f"got {num_generations!r}")
     if rewards.ndim != 1 or rewards.shape[0] % num_generations:
         raise ValueError(f"rewards must be flat with a multiple of num_generations={num_generations} "
                          f"entries, got shape {rewards.shape}")
+    eps = (1e-4 if baseline == "mean" else 1e-6) if eps is None else eps
     groups = rewards.astype(jnp.float32).reshape(-1, num_generations)
-    centred = groups - jnp.mean(groups, axis=1, keepdims=True)
+    valid = jnp.isfinite(groups)
+    groups = jnp.where(valid, groups, 0.0)
+    n = jnp.sum(valid, axis=1, keepdims=True).astype(jnp.float32)
+    total = jnp.sum(groups, axis=1, keepdims=True)
+    mean = total / jnp.maximum(n, 1.0)
+    if baseline == "mean":
+        b = mean
+    else:
+        b = (total - groups) / jnp.maximum(n - 1.0, 1.0)
+    centred = groups - b
     if scale_by_std:
-        centred = centred / (jnp.std(groups, axis=1, ddof=1, keepdims=True) + eps)
-    return centred.reshape(-1)
+        var = jnp.sum(jnp.where(valid, jnp.square(groups - mean), 0.0), axis=1, keepdims=True)
+        centred = centred / (jnp.sqrt(var / jnp.maximum(n - 1.0, 1.0)) + eps)
+    # A row whose group has no other finite reward has nothing to be relative to.
+    return jnp.where(valid & (n >= 2), centred, 0.0).reshape(-1)
 
 
 def kl_penalty(logp: jax.Array, ref_logp: jax.Array, estimator: str) -> jax.Array:
@@ -166,6 +188,8 @@ def reinforce_loss(logp: jax.Array, rollout_logp: jax.Array, advantages: jax.Arr
         ℓ = −w · A · log π_θ
     sg = stop_gradient: the weight corrects the sampling distribution and is not differentiated,
     so ∇ℓ = −w·A·∇log π_θ. Aggregated with ``loss_agg_mode`` (the KL variant uses token-mean).
+    A token with a non-finite log-prob on either side (log π_rollout = −inf: the sampler could
+    not have drawn it) gets w = 0, as in the reference, and contributes nothing.
 
     Metrics (token means over the mask):
         importance_weight/mean        mean w
@@ -180,14 +204,18 @@ def reinforce_loss(logp: jax.Array, rollout_logp: jax.Array, advantages: jax.Arr
     _check_advantages(advantages, mask)
 
     mask = mask.astype(logp.dtype)
-    ratio = jnp.exp(jax.lax.stop_gradient(logp) - rollout_logp)
-    weight = jnp.minimum(ratio, is_cap)
-    per_token = -weight * advantages.astype(logp.dtype)[:, None] * logp
+    log_ratio = jax.lax.stop_gradient(logp) - rollout_logp
+    finite = jnp.isfinite(log_ratio)
+    ratio = jnp.exp(jnp.where(finite, log_ratio, 0.0))
+    weight = jnp.where(finite, jnp.minimum(ratio, is_cap), 0.0)
+    # where, not w·(…): 0·log π_θ would be NaN at log π_θ = −inf.
+    per_token = jnp.where(weight > 0, -weight * advantages.astype(logp.dtype)[:, None] * logp, 0.0)
     loss = aggregate(per_token, mask, loss_agg_mode)
     metrics = {
         "importance_weight/mean": _masked_mean(weight, mask),
-        "importance_weight/capped_mean": _masked_mean((ratio > is_cap).astype(logp.dtype), mask),
-        "rollout_mismatch": _masked_mean(rollout_logp - jax.lax.stop_gradient(logp), mask),
+        "importance_weight/capped_mean": _masked_mean(((ratio > is_cap) & finite).astype(logp.dtype),
+                                                      mask),
+        "rollout_mismatch": _masked_mean(jnp.where(finite, -log_ratio, 0.0), mask * finite),
     }
     return loss, metrics
 
@@ -197,30 +225,37 @@ def update_baseline(baseline: jax.Array | float, outcomes: jax.Array,
     """Running baseline of the KL variant: b ← momentum·b + (1 − momentum)·mean(outcomes).
 
     Apply AFTER computing this step's advantages (A = outcome − b uses the old b), so a response
-    never serves as its own baseline.
+    never serves as its own baseline. Non-finite outcomes are masked (as the reference): the mean
+    is over the finite ones, and a batch without any leaves b as it was.
     """
     if isinstance(momentum, (int, float)) and not 0.0 <= momentum <= 1.0:
         raise ValueError(f"momentum must lie in [0, 1], got {momentum}")
     outcomes = jnp.asarray(outcomes, jnp.float32)
-    return momentum * jnp.asarray(baseline, jnp.float32) + (1.0 - momentum) * jnp.mean(outcomes)
+    baseline = jnp.asarray(baseline, jnp.float32)
+    valid = jnp.isfinite(outcomes)
+    n = jnp.sum(valid)
+    mean = jnp.sum(jnp.where(valid, outcomes, 0.0)) / jnp.maximum(n, 1)
+    return jnp.where(n > 0, momentum * baseline + (1.0 - momentum) * mean, baseline)
 
 
 @dataclasses.dataclass(frozen=True)
 class Advantages:
-    """Rewards → advantages (§7): GRPO's group-relative ones, or REINFORCE's outcome minus a
-    running baseline, which is updated after use. ``__call__(rewards, baseline)`` returns
-    (advantages, next baseline)."""
+    """Rewards → advantages (§7): GRPO's group-relative ones (baseline: the group mean, or each
+    response's leave-one-out mean), or REINFORCE's outcome minus a running baseline, which is
+    updated after use. ``__call__(rewards, baseline)`` returns (advantages, next baseline)."""
 
     algorithm: str = "grpo"
     num_generations: int = 2
     scale_by_std: bool = True
     baseline_momentum: float = 0.9
+    group_baseline: str = "mean"        # GRPO: "mean" | "leave_one_out" (group_advantages)
 
     def __call__(self, rewards: np.ndarray, baseline: float) -> tuple[np.ndarray, float]:
         if self.algorithm == "grpo":
             adv = group_advantages(jnp.asarray(rewards), self.num_generations,
-                                   scale_by_std=self.scale_by_std)
+                                   scale_by_std=self.scale_by_std, baseline=self.group_baseline)
             return np.asarray(adv), baseline
-        adv = (rewards - baseline).astype(np.float32)
+        # A row with a non-finite reward is masked: advantage 0, and not part of the baseline.
+        adv = np.where(np.isfinite(rewards), rewards - baseline, 0.0).astype(np.float32)
         return adv, float(update_baseline(baseline, jnp.asarray(rewards),
                                           momentum=self.baseline_momentum))

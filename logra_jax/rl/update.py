@@ -19,8 +19,9 @@ import optax
 from jax.sharding import NamedSharding
 
 from logra_jax.optim import (LowRankUpdate, SketchSpec, apply_updates, exact_kl_from_hidden,
-                             make_predict_kl, make_probes, merge_targets, probe_factors,
-                             split_targets, update_index, with_factors)
+                             make_candidate_kl, make_predict_kl, make_probes, merge_targets,
+                             probe_factors, split_targets, update_index, with_factors,
+                             with_update_factors)
 from logra_jax.sharding import sketch_shardings
 from logra_jax.tree_paths import leaves_with_paths
 from logra_jax.rl import losses
@@ -166,9 +167,11 @@ class PolicyUpdate:
             loss, metrics = losses.reinforce_loss(logp, mb.rollout_logp, mb.advantages, mask,
                                                   is_cap=cfg.is_cap, loss_agg_mode=cfg.loss_agg_mode)
         maskf = mask.astype(jnp.float32)
-        # Sampler-vs-trainer log-prob gap on completed responses: the controller's mismatch term.
-        done = maskf * mb.completed[:, None].astype(jnp.float32)
+        # Sampler-vs-trainer log-prob gap on completed responses: the controller's mismatch term
+        # (a token either side gives probability 0 carries no finite gap and is left out).
         gap = jax.lax.stop_gradient(mb.rollout_logp - logp)
+        done = maskf * mb.completed[:, None].astype(jnp.float32) * jnp.isfinite(gap)
+        gap = jnp.where(done > 0, gap, 0.0)
         aux = dict(metrics, loss=loss,
                    entropy=jnp.sum(entropy * maskf) / jnp.maximum(jnp.sum(maskf), 1.0),
                    mismatch_sum=jnp.sum(gap * done), mismatch_count=jnp.sum(done))
@@ -230,23 +233,34 @@ class PolicyUpdate:
             grads = merge_targets(mean_grads.get("others", jax.tree.map(jnp.zeros_like, others)),
                                   mean_grads["factors"])
 
-        mismatch = jnp.sum(aux.pop("mismatch_sum")) / jnp.maximum(jnp.sum(aux.pop("mismatch_count")), 1.0)
+        mismatch_count = jnp.sum(aux.pop("mismatch_count"))
+        mismatch = jnp.sum(aux.pop("mismatch_sum")) / jnp.maximum(mismatch_count, 1.0)
         metrics = {name: jnp.mean(value) for name, value in aux.items()}
         metrics["logra/mismatch_now"] = mismatch
-
-        extra = {}
-        if self.kl_control:
-            def probe_logits(others_, factors_):
-                p = merge_targets(others_, targets)
-                return self.policy.completion_logits(p, probe.seqs, probes=with_factors(probes, factors_))
-            extra = dict(predict_kl=make_predict_kl(
-                probe_logits, others, wrt["factors"], probe.seqs.completion_mask, self.loss.temperature,
-                others_frozen=not self.train_others), mismatch=mismatch)
 
         # The realized KL on the probe, from hidden states and heads: full-vocabulary logits exist
         # only a few positions at a time (exact_kl_from_hidden).
         hidden_old = self.policy.hidden(params, probe.seqs)
         head_old = self.policy.bind(params).head_kernel()
+        extra = {}
+        if self.kl_control:
+            def probe_logits(others_, factors_):
+                p = merge_targets(others_, targets)
+                return self.policy.completion_logits(p, probe.seqs, probes=with_factors(probes, factors_))
+
+            def probe_hidden(others_, factors_):  # the model at W + U·A, through the probes
+                p = merge_targets(others_, targets)
+                return (self.policy.hidden(p, probe.seqs, with_update_factors(probes, factors_)),
+                        self.policy.bind(p).head_kernel())
+            mask, frozen = probe.seqs.completion_mask, not self.train_others
+            extra = dict(
+                predict_kl=make_predict_kl(probe_logits, others, wrt["factors"], mask,
+                                           self.loss.temperature, others_frozen=frozen),
+                candidate_kl=make_candidate_kl(probe_hidden, others, wrt["factors"], hidden_old,
+                                               head_old, mask, self.loss.temperature,
+                                               others_frozen=frozen),
+                # NaN: no completed response this step, nothing observed (the EMA stays).
+                mismatch=jnp.where(mismatch_count > 0, mismatch, jnp.nan))
         updates, opt_state = self.tx.update(grads, opt_state, params, **extra)
         params = apply_updates(params, updates)
         metrics["logra/realized_kl"] = exact_kl_from_hidden(

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from logra_jax.optim import (LowRankUpdate, SketchSpec, apply_updates, exact_kl,
-                             exact_kl_from_hidden, kl_budget_schedule, make_predict_kl, make_probes,
-                             merge_targets, probe_factors, scale_by_predicted_kl, split_targets,
-                             with_factors)
+                             exact_kl_from_hidden, kl_budget_schedule, make_candidate_kl,
+                             make_predict_kl, make_probes, merge_targets, probe_factors,
+                             scale_by_predicted_kl, split_targets, with_factors, with_update_factors)
 from optim_tiny_lm import build
 
 SPEC = SketchSpec(rank=4, seed=11)
@@ -59,8 +59,19 @@ def setup():
             node = node[part]
         return node
 
+    # The safeguard's measurement with the logits as "hidden states" and the identity as head:
+    # exact_kl_from_hidden then is exact_kl of the candidate model's logits.
+    eye = jnp.eye(32, dtype=jnp.float32)
+
+    def probe_hidden(others_, factors_):
+        return logits_fn(merge_targets(others_, target_kernels), tokens,
+                         with_update_factors(probes, factors_)), eye
+    checked = jax.jit(make_candidate_kl(probe_hidden, others, probe_factors(probes),
+                                        logits_fn(params, tokens), eye, mask, TEMPERATURE))
+
     return dict(params=params, predict=predict, realized=realized, candidate=candidate,
-                apply=apply, probe_logits=probe_logits, others=others, probes=probes, mask=mask)
+                apply=apply, probe_logits=probe_logits, others=others, probes=probes, mask=mask,
+                checked=checked)
 
 
 @pytest.mark.parametrize("scale", [1e-3, 3e-4])
@@ -94,6 +105,81 @@ def test_alpha_brings_the_realized_kl_to_the_budget(setup):
     assert abs(float(state.alpha) ** 2 * float(state.candidate_kl) - realized) / realized <= 0.03
 
 
+@pytest.mark.parametrize("scale", [1e-3, 3e-2])
+def test_candidate_kl_through_the_probes_is_the_kl_of_the_merged_model(setup, scale):
+    """W + U·A run through the low-rank branch, before any merge, is the model after the merge."""
+    update = setup["candidate"](scale)
+    checked = float(setup["checked"](update))
+    realized = float(setup["realized"](setup["apply"](update)))
+    assert realized > 0
+    np.testing.assert_allclose(checked, realized, rtol=1e-3)
+
+
+def test_safeguard_scales_back_a_step_the_prediction_undershot(setup):
+    """A prediction 10× too small makes α too large; the measured KL exceeds c·B and the step is
+    brought back to B (to the quadratic model's accuracy) before anything is merged."""
+    budget = 2e-4
+    update = setup["candidate"](1e-3)
+    undershoot = lambda u: setup["predict"](u) / 10.0
+    for safeguard, backs_off in ((2.0, True), (float("inf"), False)):
+        tx = scale_by_predicted_kl(kl_budget=budget, kl_budget_final=budget, alpha_max=1e3,
+                                   kl_safeguard=safeguard, kl_correction=0.0)
+        scaled, state = tx.update(update, tx.init(None), predict_kl=undershoot,
+                                  candidate_kl=setup["checked"])
+        realized = float(setup["realized"](setup["apply"](scaled)))
+        np.testing.assert_allclose(float(state.checked_kl), 10 * budget, rtol=0.05)
+        if backs_off:
+            np.testing.assert_allclose(float(state.backoff), math.sqrt(0.1), rtol=0.03)
+            assert abs(realized - budget) / budget <= 0.05, realized
+            # the logged prediction is the one for the applied (backed-off) step
+            np.testing.assert_allclose(float(state.predicted_kl), budget / 10, rtol=0.05)
+        else:
+            assert float(state.backoff) == 1.0
+            assert realized > 8 * budget
+
+
+def test_correction_learns_a_biased_prediction(setup):
+    """A prediction always 4× too small: ρ learns the factor, and the realized KL of each step
+    approaches the budget without any back-off (safeguard off to isolate the correction)."""
+    budget = 2e-4
+    update = setup["candidate"](1e-3)
+    undershoot = lambda u: setup["predict"](u) / 4.0
+    tx = scale_by_predicted_kl(kl_budget=budget, kl_budget_final=budget, alpha_max=1e3,
+                               kl_safeguard=float("inf"), kl_correction=0.5)
+    state = tx.init(None)
+    errors = []
+    for _ in range(8):
+        scaled, state = tx.update(update, state, predict_kl=undershoot, candidate_kl=setup["checked"])
+        realized = float(setup["realized"](setup["apply"](scaled)))
+        errors.append(abs(realized - float(state.predicted_kl)) / realized)
+    assert errors[0] > 0.7                      # the first step trusts the raw prediction: 4× off
+    assert errors[-1] < 0.05, errors
+    np.testing.assert_allclose(float(state.kl_ratio), 4.0, rtol=0.05)
+
+
+def test_reference_controller_without_safeguard_or_correction(setup):
+    """kl_safeguard=inf, kl_correction=0: the measured KL changes nothing (α as the reference)."""
+    update = setup["candidate"](1e-3)
+    plain = scale_by_predicted_kl()
+    reference = scale_by_predicted_kl(kl_safeguard=float("inf"), kl_correction=0.0)
+    a, sa = plain.update(update, plain.init(None), predict_kl=setup["predict"])
+    b, sb = reference.update(update, reference.init(None), predict_kl=setup["predict"],
+                             candidate_kl=setup["checked"])
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(x, y)
+    assert float(sb.kl_ratio) == 1.0 and float(sb.backoff) == 1.0 and float(sb.checked_kl) > 0
+
+
+def test_nonfinite_measured_kl_makes_the_update_nan_for_the_guard(setup):
+    tx = scale_by_predicted_kl()
+    update = setup["candidate"](1e-3)
+    scaled, state = tx.update(update, tx.init(None), predict_kl=setup["predict"],
+                              candidate_kl=lambda u: jnp.float32(jnp.inf))
+    assert np.isnan(float(state.backoff))
+    assert all(bool(jnp.all(jnp.isnan(x))) for x in jax.tree.leaves(scaled))
+    assert float(state.kl_ratio) == 1.0      # nothing learned from it
+
+
 def _controller_step(tx, state, pred, mismatch=None):
     update = {"w": jnp.ones((3,))}
     return tx.update(update, state, predict_kl=lambda u: jnp.float32(pred), mismatch=mismatch)
@@ -104,12 +190,13 @@ def test_alpha_rule_budget_schedule_and_mismatch_ema():
     tx = scale_by_predicted_kl(b0, bf, horizon, amax, w)
     state = tx.init(None)
     m = 0.0
-    preds = [1e-4, 0.0, 1e-9, 5.0, 2e-5, 3e-5, 1e-5]
-    mismatches = [None, 4e-5, -1.0, 1e-4, None, 2e-4, 0.0]
+    preds = [1e-4, 0.0, 1e-9, 5.0, 2e-5, 3e-5, 1e-5, 1e-5]
+    # NaN: a batch without a completed response; the reference leaves m as it was.
+    mismatches = [None, 4e-5, -1.0, 1e-4, None, 2e-4, float("nan"), 0.0]
     for k, (pred, mm) in enumerate(zip(preds, mismatches)):
         out, state = _controller_step(tx, state, pred, mm)
         budget = bf + 0.5 * (b0 - bf) * (1 + math.cos(math.pi * min(k / (horizon - 1), 1)))
-        if mm is not None:
+        if mm is not None and not math.isnan(mm):
             m = (1 - w) * m + w * max(0.0, mm)
         effective = max(budget - m, 0.5 * budget)
         alpha = 1.0 if pred == 0 else min(amax, math.sqrt(effective / pred))
@@ -121,13 +208,14 @@ def test_alpha_rule_budget_schedule_and_mismatch_ema():
     assert int(state.count) == len(preds)
 
 
-@pytest.mark.parametrize("bad", [float("nan"), -1e-6])
-def test_nan_or_negative_prediction_is_refused(bad):
+@pytest.mark.parametrize("bad", [float("nan"), -1e-6, float("inf")])
+def test_nan_negative_or_infinite_prediction_is_refused(bad):
+    """The reference raises for all three; α = sqrt(B/inf) = 0 would skip the step silently."""
     tx = scale_by_predicted_kl()
-    with pytest.raises(ValueError, match="NaN or negative"):
+    with pytest.raises(ValueError, match="NaN, negative or infinite"):
         _controller_step(tx, tx.init(None), bad)
     jitted = jax.jit(lambda u, s: tx.update(u, s, predict_kl=lambda _: jnp.float32(bad)))
-    with pytest.raises(Exception, match="NaN or negative"):
+    with pytest.raises(Exception, match="NaN, negative or infinite"):
         out, _ = jitted({"w": jnp.ones((3,))}, tx.init(None))
         jax.block_until_ready(out)
 
@@ -145,7 +233,9 @@ def test_missing_predict_kl_and_bad_arguments_raise():
         tx.update({"w": jnp.ones(2)}, tx.init(None))
     for kwargs, name in [(dict(kl_budget=0.0), "kl_budget"), (dict(alpha_max=-1.0), "alpha_max"),
                          (dict(kl_budget_horizon=0), "kl_budget_horizon"),
-                         (dict(mismatch_weight=1.5), "mismatch_weight")]:
+                         (dict(mismatch_weight=1.5), "mismatch_weight"),
+                         (dict(kl_safeguard=0.0), "kl_safeguard"),
+                         (dict(kl_correction=-0.1), "kl_correction")]:
         with pytest.raises(ValueError, match=name):
             scale_by_predicted_kl(**kwargs)
 
