@@ -1,4 +1,16 @@
-"""A random 2-layer decoder with SmolLM2's tokenizer: seconds per step, for tests and smoke runs."""
+"""A random 2-layer decoder with SmolLM2's tokenizer: seconds per step, for tests and smoke runs.
+
+The objective is REINFORCE with its failure reward (docs/algorithm.md §7), not GRPO: a random
+model answers nothing right, so every GRPO group would be all zeros, every advantage and gradient
+0, and the weights would never move — a smoke run that proves nothing. Here a wrong answer earns
+−0.01 and the advantage −0.01 − b is nonzero while the running baseline b warms up
+(b_k = −0.01·(1 − 0.9^k)), so every update moves the weights (tests/test_trainer.py checks it).
+The optimizer is still LoGRA's GRPO variant (RowAdam + AdamW on the rest); set
+``rl.algorithm=grpo`` for the GRPO loss path.
+
+``data.skip_long_prompts``: with ``--config.data.source=gsm8k`` the 64-token prompt window takes the
+GSM8K questions that fit (about 7 % of train) instead of stopping.
+"""
 
 from configs import base
 
@@ -8,6 +20,8 @@ def get_config():
     c.max_steps = 3
     c.model.source = "tiny"
     c.data.prompts_per_step = 4
+    c.data.skip_long_prompts = True
+    c.rl.algorithm = "reinforce"
     c.rl.num_generations = 2
     c.rl.max_prompt_length = 64
     c.rl.max_completion_length = 8

@@ -24,26 +24,32 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Where metrics and checkpoints g
 flags.mark_flags_as_required(["config", "workdir"])
 
 
-def main(argv):
-    del argv
-    from logra_jax.rl import trainer  # imports jax: after the flags above are parsed
+def run(config, workdir: str) -> None:
+    """Builds and trains; bad input, a refused resume or a diverged run end as one ``error:`` line
+    and exit status 1 (SystemExit), a SIGTERM / SIGINT as one ``stopped:`` line and 128 + signum."""
+    from logra_jax.rl import trainer  # imports jax: after the flags are parsed
     try:
-        run = trainer.Run(_CONFIG.value, _WORKDIR.value)
+        job = trainer.Run(config, workdir)
     except (ValueError, FileNotFoundError) as e:  # bad config or input: one line, no traceback
         sys.exit(f"error: {e}")
     try:
-        run.loop()
+        job.loop()
     except trainer.Preempted as e:  # checkpoint saved: one line, and the signal's exit status
-        run.close()
+        job.close()
         print(f"stopped: {e}", file=sys.stderr)
         sys.exit(128 + e.signum)
     except (ValueError, FileNotFoundError) as e:  # e.g. a workdir holding another config's run
-        run.close()
+        job.close()
         sys.exit(f"error: {e}")
-    run.close()
+    job.close()
+
+
+def main(argv):
+    del argv
+    run(_CONFIG.value, _WORKDIR.value)
 
 
 if __name__ == "__main__":
-    config_lib.check_argv(sys.argv[1:])
+    config_lib.check_argv(sys.argv[1:], required=("config", "workdir"))
     logging.set_verbosity(logging.INFO)
     app.run(main)

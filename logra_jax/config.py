@@ -30,13 +30,47 @@ def load_config_file(path: str | pathlib.Path) -> ml_collections.ConfigDict:
     return module.get_config()
 
 
+def overrides(argv: Sequence[str]) -> list[tuple[str, str | None]]:
+    """(dotted key, value) of every ``--config.key=value`` / ``--config.key value`` argument;
+    value None when none follows."""
+    out = []
+    for i, arg in enumerate(argv):
+        if arg.startswith(OVERRIDE_PREFIX):
+            key, sep, value = arg[len(OVERRIDE_PREFIX):].partition("=")
+            if not sep:
+                following = argv[i + 1] if i + 1 < len(argv) else None
+                value = None if following is None or following.startswith("--") else following
+            out.append((key, value))
+    return out
+
+
 def override_keys(argv: Sequence[str]) -> list[str]:
     """The dotted keys of every ``--config.key=value`` / ``--config.key value`` argument."""
-    keys = []
-    for arg in argv:
-        if arg.startswith(OVERRIDE_PREFIX):
-            keys.append(arg[len(OVERRIDE_PREFIX):].split("=", 1)[0])
-    return keys
+    return [key for key, _ in overrides(argv)]
+
+
+_BOOLEANS = {"true": True, "false": False, "1": True, "0": False}
+
+
+def check_override_value(config: ml_collections.ConfigDict, dotted: str, value: str | None) -> None:
+    """Raises ValueError when ``value`` cannot become the key's type (int, float or bool fields;
+    absl would report it as a two-line FATAL flags error)."""
+    *parents, last = dotted.split(".")
+    node = config
+    for part in parents:
+        node = node[part]
+    field_type = node.get_type(last)
+    if value is None:
+        raise ValueError(f"--config.{dotted} needs a value (--config.{dotted}=...)")
+    parse = {int: (int, "an integer"), float: (float, "a number"),
+             bool: (lambda v: _BOOLEANS[v.lower()], "true or false")}.get(field_type)
+    if parse is None:
+        return
+    try:
+        parse[0](value)
+    except (ValueError, KeyError):
+        raise ValueError(f"--config.{dotted}={value}: expected {parse[1]} (its default is "
+                         f"{node[last]!r})") from None
 
 
 def check_overrides(config: ml_collections.ConfigDict, keys: Sequence[str]) -> None:
@@ -95,16 +129,24 @@ def config_path_from_argv(argv: Sequence[str]) -> str | None:
     return None
 
 
-def check_argv(argv: Sequence[str]) -> None:
-    """Exits with one line on a missing config file or an unknown ``--config.*`` key.
+def check_argv(argv: Sequence[str], required: Sequence[str] = ()) -> None:
+    """Exits with one line on a missing config file or required flag, an unknown ``--config.*``
+    key, or a value that is not of its key's type.
 
-    Launch scripts call it before absl parses flags (absl would print a traceback instead).
+    Launch scripts call it before absl parses flags (absl would print a traceback or a two-line
+    FATAL message instead). ``required``: flag names (without ``--``) that must be given.
     """
+    for name in required:
+        if not any(a == f"--{name}" or a.startswith(f"--{name}=") for a in argv):
+            sys.exit(f"error: --{name} is required")
     path = config_path_from_argv(argv)
     if path is None:
-        return  # absl reports the missing required flag itself
+        return  # no --config: nothing to check the overrides against
     try:
-        check_overrides(load_config_file(path), override_keys(argv))
+        config = load_config_file(path)
+        check_overrides(config, override_keys(argv))
+        for key, value in overrides(argv):
+            check_override_value(config, key, value)
     except (FileNotFoundError, ValueError) as e:
         sys.exit(f"error: {e}")
 

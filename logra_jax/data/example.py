@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Protocol, TypedDict
+from typing import Protocol, Sequence, TypedDict
 
 
 class Example(TypedDict):
@@ -22,3 +22,22 @@ class ExampleSource(Protocol):
     def __len__(self) -> int: ...
 
     def __getitem__(self, index: int) -> Example: ...
+
+
+class SubsetSource:
+    """The examples of ``source`` at ``indices``, in that order (e.g. the prompts that fit the
+    prompt window); deterministic, so a resumed iterator sees the same subset."""
+
+    def __init__(self, source: ExampleSource, indices: Sequence[int], why: str):
+        self.source = source
+        self.indices = [int(i) for i in indices]
+        self.why = why
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, index: int) -> Example:
+        return self.source[self.indices[index]]
+
+    def __repr__(self) -> str:
+        return f"{self.source!r}, the {len(self)} {self.why}"

@@ -135,6 +135,11 @@ def load_gsm8k(data_dir: str | pathlib.Path, split: str, *,
     if split not in files:
         raise FileNotFoundError(f"GSM8K split file {data_dir / (split + '.jsonl')} not found; "
                                 f"available splits there: {sorted(files) or 'none'}")
+    for name, file in files.items():  # tfds would fail on an empty split with a bare assertion
+        with open(file, encoding="utf-8") as f:
+            if not any(line.strip() for line in f):
+                raise ValueError(f"GSM8K split file {file} holds no examples (it is empty); every "
+                                 f"<split>.jsonl in {data_dir} needs at least one line")
     builder = LocalGsm8k(
         data_dir=None if cache_dir is None else str(pathlib.Path(cache_dir).expanduser()),
         config=tfds.core.BuilderConfig(name=f"src_{_fingerprint(files)}"),

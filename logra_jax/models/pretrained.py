@@ -85,6 +85,10 @@ def from_pretrained(source: str | pathlib.Path, *, mesh: Mesh | None = None, dty
             config, weights, tokenizer = gguf_loader.read_gguf(path, **overrides)
         elif path.is_dir():
             config, weights, tokenizer = hf_loader.read_hf_folder(path, **overrides)
+        elif not path.exists() and (path.is_absolute() or len(path.parts) > 1 or path.suffix):
+            raise FileNotFoundError(f"model source {name!r} does not exist: expected a local Hugging "
+                                    f"Face folder or a .gguf file there, or one of "
+                                    f"{list(KNOWN_MODELS)} (nothing is downloaded)")
         else:
             raise ValueError(f"unknown model source {name!r}: expected one of {list(KNOWN_MODELS)}, a "
                              f".gguf file, or a local Hugging Face folder (nothing is downloaded)")

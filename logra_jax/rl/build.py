@@ -6,7 +6,8 @@ the same config always gives the same mesh, model, optimizer, loss and update, w
     validate(config)                         every cross-section rule, one clear error each
     build_mesh(config.mesh, devices)         the device mesh
     build_model(config.model, mesh)          (model, tokenizer), sharded on the mesh
-    build_data(config.data, seed)            the prompt iterator
+    build_prompt_source(config.data)         the examples
+    build_data(config.data, seed, ...)       the prompt iterator (prompts checked against the window)
     build_optimizer(config.optimizer)        Optimizer: the optax chain and what the loop needs of it
     build_loss(config.rl)                    the RL objective (LossConfig)
     build_policy_update(config, policy)      the jitted update (PolicyUpdate)
@@ -32,9 +33,9 @@ from logra_jax import sharding as sharding_lib
 from logra_jax.data import PromptIterator, load_gsm8k, make_task_source
 from logra_jax.models import Decoder, ModelConfig, from_pretrained, gguf_loader
 from logra_jax.optim import SketchSpec, logra, variant_defaults, warmup_constant
-from logra_jax.rl.losses import Advantages
+from logra_jax.rl.losses import ADVANTAGE_BASELINES, Advantages
 from logra_jax.rl.policy import Policy
-from logra_jax.rl.rollout import Grader, RolloutSpec
+from logra_jax.rl.rollout import Grader, RolloutSpec, fit_prompt_window
 from logra_jax.rl.sampler import Sampler
 from logra_jax.rl.update import LossConfig, PolicyUpdate
 
@@ -50,6 +51,9 @@ def validate(config: ml_collections.ConfigDict) -> None:
                          "a group, so it needs at least 2 per prompt")
     if rl.algorithm not in ("grpo", "reinforce"):
         raise ValueError(f"rl.algorithm must be 'grpo' or 'reinforce', got {rl.algorithm!r}")
+    if rl.advantage_baseline not in ADVANTAGE_BASELINES:
+        raise ValueError(f"rl.advantage_baseline must be one of {ADVANTAGE_BASELINES}, got "
+                         f"{rl.advantage_baseline!r}")
     if config.max_steps <= 0:
         raise ValueError(f"max_steps must be positive, got {config.max_steps}")
     if not rl.temperature > 0:  # NaN too: sampling divides the logits by it
@@ -67,6 +71,12 @@ def validate(config: ml_collections.ConfigDict) -> None:
         raise ValueError(f"optimizer.warmup_steps must be ≥ 0, got {opt.warmup_steps}")
     if opt.max_consecutive_skips < 1:
         raise ValueError(f"optimizer.max_consecutive_skips must be ≥ 1, got {opt.max_consecutive_skips}")
+    if not opt.max_weight_norm_growth > 1:
+        raise ValueError(f"optimizer.max_weight_norm_growth must be > 1 (a multiple of the initial "
+                         f"weight norm), got {opt.max_weight_norm_growth}")
+    if not (rl.max_prompt_length > 0 and rl.max_completion_length > 0):
+        raise ValueError(f"rl.max_prompt_length and rl.max_completion_length must be positive, got "
+                         f"{rl.max_prompt_length} and {rl.max_completion_length}")
     if config.sync.mode not in SYNC_MODES:
         raise ValueError(f"sync.mode must be one of {SYNC_MODES}, got {config.sync.mode!r}")
     if config.sync.rollout_devices and config.sync.mode == "off":
@@ -126,16 +136,26 @@ def build_model(cfg: ml_collections.ConfigDict, mesh: Mesh):
                            remat=cfg.remat)
 
 
-def build_data(cfg: ml_collections.ConfigDict, seed: int) -> PromptIterator:
+def build_prompt_source(cfg: ml_collections.ConfigDict):
+    """The examples ``config.data`` names (a reasoning-gym task, or local GSM8K files)."""
     if cfg.source == "task":
-        source = make_task_source(cfg.task, size=cfg.size, seed=cfg.task_seed, **dict(cfg.task_kwargs))
-    elif cfg.source == "gsm8k":
+        return make_task_source(cfg.task, size=cfg.size, seed=cfg.task_seed, **dict(cfg.task_kwargs))
+    if cfg.source == "gsm8k":
         if not cfg.gsm8k_dir:
             raise ValueError("data.source='gsm8k' needs data.gsm8k_dir: a folder with train.jsonl and "
                              "test.jsonl (nothing is downloaded)")
-        source = load_gsm8k(cfg.gsm8k_dir, cfg.split, cache_dir=cfg.gsm8k_cache_dir or None)
-    else:
-        raise ValueError(f"data.source must be 'task' or 'gsm8k', got {cfg.source!r}")
+        return load_gsm8k(cfg.gsm8k_dir, cfg.split, cache_dir=cfg.gsm8k_cache_dir or None)
+    raise ValueError(f"data.source must be 'task' or 'gsm8k', got {cfg.source!r}")
+
+
+def build_data(cfg: ml_collections.ConfigDict, seed: int, *, source=None, tokenizer=None,
+               rollout_spec: RolloutSpec | None = None) -> PromptIterator:
+    """The prompt iterator over ``source`` (default: `build_prompt_source`). With ``tokenizer``
+    and ``rollout_spec`` every prompt is first checked against the prompt window
+    (`fit_prompt_window`: an error, or ``data.skip_long_prompts``)."""
+    source = build_prompt_source(cfg) if source is None else source
+    if rollout_spec is not None:
+        source = fit_prompt_window(source, tokenizer, rollout_spec, skip_long=cfg.skip_long_prompts)
     return PromptIterator(source, batch_size=cfg.prompts_per_step, seed=seed, shuffle=cfg.shuffle)
 
 
@@ -221,4 +241,5 @@ def build_grader(rl: ml_collections.ConfigDict) -> Grader:
 
 def build_advantages(rl: ml_collections.ConfigDict) -> Advantages:
     return Advantages(algorithm=rl.algorithm, num_generations=rl.num_generations,
-                      scale_by_std=rl.scale_rewards, baseline_momentum=rl.baseline_momentum)
+                      scale_by_std=rl.scale_rewards, baseline_momentum=rl.baseline_momentum,
+                      group_baseline=rl.advantage_baseline)

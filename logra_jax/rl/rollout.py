@@ -18,8 +18,9 @@ from typing import Any, Protocol
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 
-from logra_jax.data import format_prompt
+from logra_jax.data import SubsetSource, format_prompt
 from logra_jax.rl import rewards, sync
 from logra_jax.rl.policy import Sequences
 from logra_jax.rl.sampler import Sampler, decode_completions, pad_prompts
@@ -67,12 +68,38 @@ class Rollouts:
     golds: list[str]
 
 
+def prompt_ids(example, tokenizer, spec: RolloutSpec) -> list[int]:
+    """The token ids of ``example``'s chat-formatted prompt, as the sampler receives them."""
+    return tokenizer.encode(format_prompt(example["question"], tokenizer,
+                                          system_prompt=spec.system_prompt,
+                                          instruction=spec.instruction))
+
+
+def fit_prompt_window(source, tokenizer, spec: RolloutSpec, *, skip_long: bool):
+    """``source``, checked before anything is compiled: every prompt must fit the
+    ``max_prompt_length`` window. One that does not is an error naming the key, or, with
+    ``skip_long`` (verl's filter_overlong_prompts), left out of a `SubsetSource` of the rest."""
+    lengths = np.array([len(prompt_ids(source[i], tokenizer, spec)) for i in range(len(source))])
+    too_long = lengths > spec.max_prompt_length
+    if not too_long.any():
+        return source
+    what = (f"{int(too_long.sum())} of the {len(source)} prompts of {source!r} are longer than "
+            f"rl.max_prompt_length={spec.max_prompt_length} tokens (the longest has "
+            f"{int(lengths.max())})")
+    if not skip_long:
+        raise ValueError(f"{what}; raise rl.max_prompt_length to {int(lengths.max())}, or set "
+                         f"data.skip_long_prompts=True to train on the others")
+    if too_long.all():
+        raise ValueError(f"{what}: none is left to train on; raise rl.max_prompt_length")
+    logging.warning("%s: data.skip_long_prompts leaves them out", what)
+    return SubsetSource(source, np.flatnonzero(~too_long),
+                        f"prompts of ≤ {spec.max_prompt_length} tokens")
+
+
 def collect_rollouts(sampler: Sampler, params, tokenizer, examples, spec: RolloutSpec, rng,
                      batch_sharding) -> Rollouts:
     """Samples ``num_generations`` completions per prompt (rows of a group are adjacent)."""
-    prompts = [format_prompt(ex["question"], tokenizer, system_prompt=spec.system_prompt,
-                             instruction=spec.instruction) for ex in examples]
-    ids = [tokenizer.encode(p) for p in prompts for _ in range(spec.num_generations)]
+    ids = [ids for ex in examples for ids in [prompt_ids(ex, tokenizer, spec)] * spec.num_generations]
     tokens, mask = pad_prompts(ids, spec.max_prompt_length, sampler.pad_id)
     tokens, mask = jax.device_put((tokens, mask), batch_sharding)
     out = sampler.generate(params, tokens, mask, rng, temperature=spec.temperature,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import pathlib
 import signal
 import threading
@@ -26,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+import optax
 from absl import logging
 
 from logra_jax import checkpoint as checkpoint_lib
@@ -46,6 +48,8 @@ class Trainer:
     def __init__(self, config: ml_collections.ConfigDict):
         build.validate(config)
         self.config = config
+        self.optimizer = build.build_optimizer(config.optimizer)  # before the model: fails fast
+        self.tx, self.sketch = self.optimizer.tx, self.optimizer.sketch
         train_devices, rollout_devices = sync.split_devices(config.sync.rollout_devices)
         self.mesh = build.build_mesh(config.mesh, train_devices)
         self.rollout_mesh = build.build_mesh(config.sync.rollout_mesh, rollout_devices)
@@ -73,8 +77,6 @@ class Trainer:
             jax.jit(lambda p: jax.tree.map(lambda x: x.astype(compute) if jnp.issubdtype(
                 x.dtype, jnp.floating) else x, p), out_shardings=self.param_shardings)(params)
             if config.rl.beta > 0 else None)
-        self.optimizer = build.build_optimizer(config.optimizer)
-        self.tx, self.sketch = self.optimizer.tx, self.optimizer.sketch
         self.update = build.build_policy_update(config, self.policy, optimizer=self.optimizer,
                                                 return_updates=self.sync_mode == "factors")
         self.sampler = build.build_sampler(config.rl, self.policy, self.tokenizer)
@@ -86,6 +88,8 @@ class Trainer:
         self.rollout_batch_sharding = sharding_lib.batch_sharding(self.rollout_mesh, rows)
         self._ref_logprobs = jax.jit(self._ref_logprobs_impl)
         self.params_finite = jax.jit(all_finite)
+        self.weight_norm = jax.jit(optax.tree.norm)
+        self.initial_norm = float(self.weight_norm(params))
         # Optimizer state sharded like the params it belongs to (RowAdam's v like the kernel's out
         # dim): jit(tx.init) alone puts every output on one device, since none depends on values.
         self._init_opt = jax.jit(self.tx.init,
@@ -176,6 +180,19 @@ def step_row(t: Trainer, step: int, update_metrics, r: np.ndarray, ro: Rollouts,
     return row
 
 
+def _check_workdir(workdir: pathlib.Path) -> None:
+    """The workdir must be a folder this process can write (created if missing)."""
+    if workdir.exists() and not workdir.is_dir():
+        raise ValueError(f"workdir {workdir} is a file, not a folder; pass a folder for metrics "
+                         f"and checkpoints")
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"workdir {workdir} cannot be created: {e.strerror}") from None
+    if not os.access(workdir, os.W_OK | os.X_OK):
+        raise ValueError(f"workdir {workdir} is not writable; pass a folder you can write to")
+
+
 class Run:
     """One training run in a workdir: everything built (errors in the config surface here), then
     `loop()` trains to ``max_steps``, resuming from the latest complete checkpoint."""
@@ -184,9 +201,15 @@ class Run:
                  trainer: Trainer | None = None):
         self.config = config
         self.workdir = pathlib.Path(workdir)
+        # What can be checked in a moment is checked before the model is built.
+        _check_workdir(self.workdir)
+        build.validate(config)
+        source = build.build_prompt_source(config.data)
         # A Trainer holds compiled functions; runs of one config (e.g. a resumed run) may share it.
         self.trainer = trainer if trainer is not None else Trainer(config)
-        self.data = build.build_data(config.data, config.seed)
+        self.data = build.build_data(config.data, config.seed, source=source,
+                                     tokenizer=self.trainer.tokenizer,
+                                     rollout_spec=self.trainer.rollout_spec)
         self.ckpt = checkpoint_lib.Checkpointer(self.workdir / "checkpoints", keep=config.checkpoint.keep)
 
     def _check_config(self, resuming: bool) -> None:
@@ -297,14 +320,25 @@ class Run:
 
     def _check_divergence(self, step: int, row: dict, params, skipped_in_a_row: int) -> int:
         """Counts updates dropped as non-finite (the weights stayed as they were) and stops the run
-        after ``optimizer.max_consecutive_skips`` of them in a row, or when the weights themselves
-        are not finite — before either could reach a checkpoint. Returns the new count."""
+        after ``optimizer.max_consecutive_skips`` of them in a row, when the weights themselves are
+        not finite, or when their norm has grown past ``optimizer.max_weight_norm_growth`` times
+        the initial one (finite but exploding: lr = 1e6 multiplies it by ~1e6 in one step; RL
+        post-training moves it by a few percent) — before any of them could reach a checkpoint.
+        Returns the new count."""
         limit = self.config.optimizer.max_consecutive_skips
         latest = self.ckpt.latest_step()
         kept = f"the last checkpoint is step {latest}" if latest is not None else "no checkpoint yet"
-        if not bool(self.trainer.params_finite(params)):
+        norm = float(self.trainer.weight_norm(params))
+        if not np.isfinite(norm) and not bool(self.trainer.params_finite(params)):
             raise ValueError(f"step {step}: the weights are not finite (the run diverged); they were "
                              f"not saved, {kept}; lower the learning rate")
+        growth = self.config.optimizer.max_weight_norm_growth
+        if not norm <= growth * self.trainer.initial_norm:  # an fp32 overflow of the norm, too
+            raise ValueError(f"step {step}: the weight norm grew to {norm:.4g}, "
+                             f"{norm / self.trainer.initial_norm:.3g}× the initial "
+                             f"{self.trainer.initial_norm:.4g} (the run diverged; "
+                             f"optimizer.max_weight_norm_growth={growth}); the weights were not "
+                             f"saved, {kept}; lower the learning rate")
         if not row.get("logra/skipped", False):
             return 0
         skipped_in_a_row += 1
