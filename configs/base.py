@@ -107,7 +107,7 @@ def get_config() -> ml_collections.ConfigDict:
         kl_control=placeholder(bool),     # None: on for kl, off for grpo
         kl_budget=2e-4, kl_budget_final=2e-5, kl_budget_horizon=300, alpha_max=3.0,
         mismatch_weight=0.3,
-        kl_safeguard=2.0,                 # measured KL > this × budget: the step is scaled back
+        kl_safeguard=1.0,                 # measured KL > this × budget: the step is scaled back
         kl_correction=0.3,                # EMA weight of the learned realized/predicted ratio
                                           # (inf and 0: the reference's controller)
         update_ratio=6e-5,                # kl only: relative size of the proposed step

@@ -18,18 +18,11 @@ import pytest
 from configs import tiny
 from launch import train as train_cli
 from logra_jax.rl import trainer as trainer_lib
+from tiny_config import tiny_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 GOOD_GSM8K = {"question": "Tom has 3 apples and buys 2 more. How many apples does he have?",
               "answer": "3 + 2 = 5\n#### 5"}
-
-
-def _override(node, values: dict):
-    for key, value in values.items():
-        if isinstance(value, dict):
-            _override(node[key], value)
-        else:
-            node[key] = value
 
 
 def _snapshot(workdir: pathlib.Path) -> dict[str, tuple[int, int, str]]:
@@ -125,9 +118,7 @@ def test_bad_config_is_one_line_and_loses_nothing(overrides, message, trained, t
     workdir = tmp_path / "workdir"
     shutil.copytree(trained, workdir)
     before = _snapshot(workdir)
-    config = tiny.get_config()
-    config.max_steps = 4
-    _override(config, overrides(tmp_path) if callable(overrides) else overrides)
+    config = tiny_config(dict(max_steps=4), overrides(tmp_path) if callable(overrides) else overrides)
     with pytest.raises(SystemExit) as exit_:
         train_cli.run(config, str(workdir))
     line = exit_.value.code

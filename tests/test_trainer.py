@@ -12,6 +12,7 @@ from logra_jax.rl import build
 from logra_jax.rl import trainer as trainer_lib
 from logra_jax.rl.rollout import collect_rollouts
 from logra_jax.rl.update import TrainBatch
+from tiny_config import tiny_config
 
 VARIANTS = {
     # name: overrides of configs/tiny.py
@@ -22,20 +23,9 @@ VARIANTS = {
 }
 
 
-def _override(node, values: dict):
-    for key, value in values.items():
-        if isinstance(value, dict):
-            _override(node[key], value)
-        else:
-            node[key] = value
-
-
 def make_config(name, **extra):
     """configs/tiny.py with the variant's overrides, then ``extra``'s (nested dicts merge)."""
-    config = tiny.get_config()
-    _override(config, VARIANTS[name])
-    _override(config, extra)
-    return config
+    return tiny_config(VARIANTS[name], extra)
 
 
 @pytest.fixture(scope="module")
@@ -284,25 +274,30 @@ def _nan_advantages_from(step: int, advantages):
     return faulty
 
 
-@pytest.mark.parametrize("name, message", [
-    ("adamw", r"step 3: the weights are not finite .* the last checkpoint is step 2"),
-    ("logra-grpo", r"2 updates in a row were not finite \(steps 3–4\): .* last checkpoint is step 3"),
-])
-def test_nonfinite_updates_never_reach_a_checkpoint(name, message, tmp_path):
-    """NaN gradients from step 3: LoGRA skips the update (weights unchanged, so checkpoint 3 is
-    step 2's weights) and stops after max_consecutive_skips; AdamW has no skip (it would cost a
-    second copy of its moments) and stops before its NaN weights are saved. keep=2: the good
-    checkpoints are not rotated out by bad ones."""
+@pytest.mark.parametrize("name", ["adamw", "logra-grpo"])
+def test_nonfinite_updates_are_skipped_and_never_reach_a_checkpoint(name, tmp_path):
+    """NaN gradients from step 3: the update is skipped (weights unchanged — LoGRA by selecting a
+    zero update, AdamW by a cond that never runs its moments' update), so checkpoint 3 holds step
+    2's weights, and after max_consecutive_skips in a row the run stops. keep=2: good checkpoints
+    are not rotated out by bad ones."""
     config = make_config(name, max_steps=8, optimizer=dict(max_consecutive_skips=2),
                          checkpoint=dict(every=1, keep=2))
     run = trainer_lib.Run(config, tmp_path)
     run.trainer.advantages = _nan_advantages_from(3, run.trainer.advantages)
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=r"2 updates in a row were not finite \(steps 3–4\): .* "
+                                         r"last checkpoint is step 3"):
         run.loop()
     run.close()
     rows = metrics.read_jsonl(tmp_path / "metrics.jsonl")
-    assert rows[-1]["step"] < 8                                  # it stopped early
-    assert _finite_checkpoints(run, tmp_path) == ([1, 2] if name == "adamw" else [2, 3])
+    skipped = "logra/skipped" if name.startswith("logra") else "skipped"
+    assert [bool(r[skipped]) for r in rows] == [False, False, True, True]
+    assert _finite_checkpoints(run, tmp_path) == [2, 3]
+    saved = trainer_lib.checkpoint_lib.Checkpointer(tmp_path / "checkpoints")
+    params0, _ = run.trainer.init_state()
+    two, three = (_flat(saved.restore_params(step, params0)) for step in (2, 3))
+    saved.close()
+    for path in two:
+        np.testing.assert_array_equal(two[path], three[path], err_msg=path)
 
 
 def test_unknown_override_key_exits_with_its_name():

@@ -14,8 +14,8 @@ takes; tree_paths.py; sharding.py):
 - logra.py        logra(...): the assembled chain; update_index, logra_metrics
 """
 
-from logra_jax.optim.logra import (LOGRA_STATIC_ARGS, logra, logra_metrics, update_index,
-                                   variant_defaults, warmup_constant)
+from logra_jax.optim.logra import (LOGRA_STATIC_ARGS, logra, logra_metrics, skip_metrics,
+                                   update_index, variant_defaults, warmup_constant)
 from logra_jax.optim.low_rank import LowRankUpdate, apply_updates
 from logra_jax.optim.predicted_kl import (PredictedKLState, exact_kl, exact_kl_from_hidden,
                                           kl_budget_schedule, make_candidate_kl, make_predict_kl,
@@ -26,7 +26,8 @@ from logra_jax.optim.targets import (DEFAULT_TARGETS, SketchSpec, TargetInfo, ma
                                      merge_targets, probe_factors, split_targets, with_factors,
                                      with_update_factors)
 from logra_jax.optim.transforms import (clip_by_reconstructed_norm, scale_by_step_size,
-                                        scale_by_update_ratio, skip_nonfinite, to_low_rank_updates)
+                                        scale_by_update_ratio, skip_nonfinite,
+                                        skip_nonfinite_gradients, to_low_rank_updates)
 
 __all__ = [
     "DEFAULT_TARGETS", "LOGRA_STATIC_ARGS", "LowRankUpdate", "PredictedKLState", "RowAdamState",
@@ -35,7 +36,7 @@ __all__ = [
     "make_candidate_kl", "make_predict_kl", "make_probes",
     "merge_targets", "predicted_kl_from_tangent", "probe_factors", "projection", "projection_keys",
     "scale_by_predicted_kl", "scale_by_row_adam", "scale_by_step_size", "scale_by_update_ratio",
-    "skip_nonfinite", "split_targets", "to_low_rank_updates", "update_index", "variant_defaults",
+    "skip_metrics", "skip_nonfinite", "skip_nonfinite_gradients", "split_targets", "to_low_rank_updates", "update_index", "variant_defaults",
     "warmup_constant",
     "with_factors", "with_update_factors",
 ]

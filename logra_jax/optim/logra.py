@@ -46,7 +46,15 @@ def _check_static_int(name: str, value):
 
 
 def _check(name: str, value, ok, requirement: str):
-    if value is None or callable(value) or not _concrete(value):
+    """A schedule is checked at its first update (a NaN or negative rate would otherwise only
+    show as every update being skipped)."""
+    if callable(value):
+        first = value(0)
+        if _concrete(first) and not ok(float(first)):
+            raise ValueError(f"{name} must be {requirement}; the schedule gives {float(first)!r} "
+                             f"at update 0")
+        return
+    if value is None or not _concrete(value):
         return
     if not ok(float(value)):
         raise ValueError(f"{name} must be {requirement}, got {value!r}")
@@ -109,7 +117,7 @@ def logra(*, variant: str = "grpo",
           kl_control: bool | None = None,
           kl_budget: float = 2e-4, kl_budget_final: float = 2e-5, kl_budget_horizon: int = 300,
           alpha_max: float = 3.0, mismatch_weight: float = 0.3,
-          kl_safeguard: float = 2.0, kl_correction: float = 0.3,
+          kl_safeguard: float = 1.0, kl_correction: float = 0.3,
           update_ratio: float = 6e-5,
           factor_dtype: str | None = None) -> optax.GradientTransformationExtraArgs:
     """LoGRA: sketched RowAdam for the projection matrices, AdamW or freezing for the rest.
@@ -157,10 +165,11 @@ def logra(*, variant: str = "grpo",
         raise ValueError(f"others must be 'adamw' or 'frozen', got {others!r}")
     _check("b2", b2, lambda x: 0.0 <= x < 1.0, "in [0, 1)")
     _check("eps", eps, lambda x: x >= 0.0, "≥ 0")
-    _check("learning_rate", learning_rate, lambda x: x >= 0.0, "≥ 0 (or a schedule)")
-    _check("weight_decay", weight_decay, lambda x: x >= 0.0, "≥ 0")
-    _check("others_learning_rate", others_learning_rate, lambda x: x >= 0.0, "≥ 0 (or a schedule)")
-    _check("others_weight_decay", others_weight_decay, lambda x: x >= 0.0, "≥ 0")
+    finite_nonnegative = lambda x: 0.0 <= x < float("inf")  # noqa: E731
+    _check("learning_rate", learning_rate, finite_nonnegative, "finite and ≥ 0")
+    _check("weight_decay", weight_decay, finite_nonnegative, "finite and ≥ 0")
+    _check("others_learning_rate", others_learning_rate, finite_nonnegative, "finite and ≥ 0")
+    _check("others_weight_decay", others_weight_decay, finite_nonnegative, "finite and ≥ 0")
     _check("others_warmup_steps", others_warmup_steps, lambda x: x >= 0.0, "≥ 0")
     if variant == "kl" and _concrete(weight_decay) and float(weight_decay) != 0.0:
         raise ValueError("weight_decay applies only to variant='grpo' (the KL variant has no "
@@ -235,26 +244,34 @@ def update_index(opt_state) -> jax.Array:
     return states[0].update_index
 
 
+def skip_metrics(opt_state, prefix: str = "") -> dict[str, Any]:
+    """{skipped: the last update was dropped as non-finite, num_skipped: how many so far} of a
+    ``skip_nonfinite`` or ``skip_nonfinite_gradients`` state in ``opt_state`` ({} without one)."""
+    for state in _find_states(opt_state, SkipNonFiniteState)[:1]:
+        return {f"{prefix}skipped": state.skipped, f"{prefix}num_skipped": state.num_skipped}
+    return {}
+
+
 def logra_metrics(opt_state) -> dict[str, Any]:
     """Scalars describing the last update, read from the optimizer state (jit-friendly).
 
     grad_norm: reconstructed global gradient norm; logra/update_index; logra/skipped (last update
     dropped as non-finite) and logra/num_skipped; with KL control: logra/candidate_kl (predicted KL
-    of the unscaled candidate), logra/predicted_kl (ρ·(α·s)²·candidate: predicted for the applied
-    update — compare with the realized KL), logra/alpha, logra/effective_budget, logra/mismatch,
-    and with the safeguard logra/checked_kl (measured KL of the α-scaled candidate), logra/backoff
-    (s) and logra/kl_ratio (ρ learned for the next update).
+    of the unscaled candidate), logra/jvp_kl (ρ·α²·candidate: the JVP's prediction of the
+    α-scaled step), logra/predicted_kl (the prediction for the applied update, s²·checked_kl
+    with the safeguard — compare with the realized KL), logra/alpha, logra/effective_budget,
+    logra/mismatch, and with the safeguard logra/checked_kl (measured KL of the α-scaled
+    candidate), logra/backoff (s) and logra/kl_ratio (ρ learned for the next update).
     """
     metrics: dict[str, Any] = {}
     for state in _find_states(opt_state, ReconstructedNormState)[:1]:
         metrics["grad_norm"] = state.grad_norm
     for state in _find_states(opt_state, _INDEXED_STATES)[:1]:
         metrics["logra/update_index"] = state.update_index
-    for state in _find_states(opt_state, SkipNonFiniteState)[:1]:
-        metrics["logra/skipped"] = state.skipped
-        metrics["logra/num_skipped"] = state.num_skipped
+    metrics.update(skip_metrics(opt_state, prefix="logra/"))
     for state in _find_states(opt_state, PredictedKLState)[:1]:
         metrics["logra/candidate_kl"] = state.candidate_kl
+        metrics["logra/jvp_kl"] = state.jvp_kl
         metrics["logra/predicted_kl"] = state.predicted_kl
         metrics["logra/alpha"] = state.alpha
         metrics["logra/effective_budget"] = state.effective_budget

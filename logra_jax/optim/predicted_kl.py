@@ -18,8 +18,9 @@ Two additions to the reference controller (docs/algorithm.md §6), both on the s
 
 - the safeguard: the α-scaled candidate's exact KL, K = KL(π_old ‖ π_{W+αU·A}), is measured
   through the probes' low-rank branch (the model at W + B·A with B = αU, still without forming
-  ΔW), and when K > c·B the step is scaled back by s = sqrt(B / K) before it is merged — nothing
-  to undo, and a factors-sync receiver gets the final U;
+  ΔW), and when K > c·B (c = 1: the budget is a ceiling) the step is scaled back by
+  s = sqrt(B / K) before it is merged — nothing to undo, and a factors-sync receiver gets the
+  final U. The applied step's prediction is then s²·K, no longer the JVP's;
 - the correction: ρ, an EMA in log space of K / (α²·pred) (weight ``kl_correction``), learns how
   far the quadratic prediction is off and sizes the next α by ρ·pred.
 
@@ -207,8 +208,9 @@ class PredictedKLState(NamedTuple):
     """count: updates so far; mismatch: EMA m; candidate_kl: pred of the last candidate (before α);
     alpha: the α applied; effective_budget: the B it aimed at; kl_ratio: ρ, the learned
     realized/predicted correction; checked_kl: the safeguard's exact KL of the α-scaled candidate
-    (0 without a check); backoff: the safeguard's s (1: none); predicted_kl: ρ·(α·s)²·pred, the
-    prediction for the update applied (compare with the realized KL)."""
+    (0 without a check); backoff: the safeguard's s (1: none); jvp_kl: ρ·α²·pred, the JVP's
+    prediction for the α-scaled candidate; predicted_kl: the prediction for the update applied
+    (compare with the realized KL) — s²·checked_kl when measured, else jvp_kl."""
 
     count: jax.Array
     mismatch: jax.Array
@@ -218,9 +220,10 @@ class PredictedKLState(NamedTuple):
     kl_ratio: jax.Array
     checked_kl: jax.Array
     backoff: jax.Array
+    jvp_kl: jax.Array
     predicted_kl: jax.Array
     KEPT_ON_SKIP = ("count", "candidate_kl", "alpha", "effective_budget", "checked_kl", "backoff",
-                    "predicted_kl")
+                    "jvp_kl", "predicted_kl")
 
 
 # ρ stays within these factors of 1: one odd probe must not make the controller freeze or leap.
@@ -236,7 +239,7 @@ def _refuse(bad, pred):
 
 def scale_by_predicted_kl(kl_budget: float = 2e-4, kl_budget_final: float = 2e-5,
                           kl_budget_horizon: int = 300, alpha_max: float = 3.0,
-                          mismatch_weight: float = 0.3, kl_safeguard: float = 2.0,
+                          mismatch_weight: float = 0.3, kl_safeguard: float = 1.0,
                           kl_correction: float = 0.3) -> optax.GradientTransformationExtraArgs:
     """Scales the candidate update by α so its predicted KL meets the (effective) budget.
 
@@ -273,7 +276,7 @@ def scale_by_predicted_kl(kl_budget: float = 2e-4, kl_budget_final: float = 2e-5
         zero, one = jnp.zeros([], jnp.float32), jnp.ones([], jnp.float32)
         return PredictedKLState(count=jnp.zeros([], jnp.int32), mismatch=zero, candidate_kl=zero,
                                 alpha=one, effective_budget=zero, kl_ratio=one, checked_kl=zero,
-                                backoff=one, predicted_kl=zero)
+                                backoff=one, jvp_kl=zero, predicted_kl=zero)
 
     def update_fn(updates, state, params=None, *, predict_kl=None, mismatch=None,
                   candidate_kl=None, **extra_args):
@@ -305,7 +308,8 @@ def scale_by_predicted_kl(kl_budget: float = 2e-4, kl_budget_final: float = 2e-5
         alpha = jnp.where(bad, 0.0, alpha)
         updates = low_rank.scale_updates(updates, alpha)
 
-        checked, backoff, next_rho = jnp.zeros([], jnp.float32), jnp.ones([], jnp.float32), rho
+        jvp = corrected * jnp.square(alpha)
+        checked, backoff, next_rho, predicted = jnp.zeros([], jnp.float32), jnp.ones([], jnp.float32), rho, jvp
         if candidate_kl is not None:
             checked = jnp.asarray(candidate_kl(updates), jnp.float32)
             # The safeguard: s brings K back to B if the KL is quadratic in the step, as it is to
@@ -321,10 +325,11 @@ def scale_by_predicted_kl(kl_budget: float = 2e-4, kl_budget_final: float = 2e-5
             learned = jnp.exp((1.0 - w) * jnp.log(rho) + w * jnp.log(jnp.where(usable, ratio, 1.0)))
             next_rho = jnp.where(usable, jnp.clip(learned, *_KL_RATIO_RANGE), rho)
             updates = low_rank.scale_updates(updates, backoff)
+            predicted = jnp.square(backoff) * checked
         new_state = PredictedKLState(
             count=optax.safe_increment(state.count), mismatch=m, candidate_kl=pred, alpha=alpha,
             effective_budget=effective, kl_ratio=next_rho, checked_kl=checked, backoff=backoff,
-            predicted_kl=corrected * jnp.square(alpha * backoff))
+            jvp_kl=jvp, predicted_kl=predicted)
         return updates, new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -264,3 +264,36 @@ def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransfo
             num_skipped=state.num_skipped + (~ok).astype(jnp.int32))
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def skip_nonfinite_gradients(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+    """Runs ``inner`` only on a finite gradient; otherwise the update is zero and the state kept.
+
+    For dense optimizers (the AdamW baseline): a ``lax.cond`` executes one branch, so, unlike
+    ``skip_nonfinite``'s select, old and new moments never need to exist side by side (that select
+    costs a second copy of AdamW's state). What it cannot see is a finite gradient that ``inner``
+    turns into a non-finite update; the trainer's weight checks stop such a run before it is saved.
+    State and metrics as ``skip_nonfinite`` (``SkipNonFiniteState``).
+    """
+    inner = optax.with_extra_args_support(inner)
+
+    def init_fn(params):
+        return SkipNonFiniteState(inner_state=inner.init(params), skipped=jnp.zeros([], jnp.bool_),
+                                  num_skipped=jnp.zeros([], jnp.int32))
+
+    def update_fn(updates, state, params=None, **extra_args):
+        ok = low_rank.all_finite(updates)
+
+        def apply(operands):
+            grads, inner_state = operands
+            return inner.update(grads, inner_state, params, **extra_args)
+
+        def skip(operands):
+            grads, inner_state = operands
+            return jax.tree.map(jnp.zeros_like, grads), inner_state
+
+        out, new_inner = jax.lax.cond(ok, apply, skip, (updates, state.inner_state))
+        return out, SkipNonFiniteState(inner_state=new_inner, skipped=~ok,
+                                       num_skipped=state.num_skipped + (~ok).astype(jnp.int32))
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)

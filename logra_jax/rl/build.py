@@ -32,7 +32,8 @@ from logra_jax import model_shapes
 from logra_jax import sharding as sharding_lib
 from logra_jax.data import PromptIterator, load_gsm8k, make_task_source
 from logra_jax.models import Decoder, ModelConfig, from_pretrained, gguf_loader
-from logra_jax.optim import SketchSpec, logra, variant_defaults, warmup_constant
+from logra_jax.optim import (SketchSpec, logra, skip_nonfinite_gradients, variant_defaults,
+                             warmup_constant)
 from logra_jax.rl.losses import ADVANTAGE_BASELINES, Advantages
 from logra_jax.rl.policy import Policy
 from logra_jax.rl.rollout import Grader, RolloutSpec, fit_prompt_window
@@ -180,12 +181,12 @@ def build_optimizer(cfg: ml_collections.ConfigDict) -> Optimizer:
     if cfg.name == "adamw":
         a = cfg.adamw
         learning_rate = warmup_constant(a.learning_rate, cfg.warmup_steps)
-        # No skip_nonfinite here: selecting between old and new moments keeps both alive (+9 GiB
-        # per device at 7B, measured), which would inflate the baseline; the trainer instead stops
-        # a run whose weights turn non-finite before they are saved (Run._check_divergence).
-        tx = optax.chain(
+        # skip_nonfinite_gradients, not skip_nonfinite: selecting between old and new moments keeps
+        # both alive (+9 GiB per device at 7B, measured); a cond runs one branch. A run whose
+        # weights still turn non-finite stops before they are saved (Run._check_divergence).
+        tx = skip_nonfinite_gradients(optax.chain(
             optax.clip_by_global_norm(a.max_grad_norm) if a.max_grad_norm > 0 else optax.identity(),
-            optax.adamw(learning_rate, b1=a.b1, b2=a.b2, eps=a.eps, weight_decay=a.weight_decay))
+            optax.adamw(learning_rate, b1=a.b1, b2=a.b2, eps=a.eps, weight_decay=a.weight_decay)))
         return Optimizer(tx, None, True, False, learning_rate)
     if cfg.name != "logra":
         raise ValueError(f"optimizer.name must be 'logra' or 'adamw', got {cfg.name!r}")

@@ -34,7 +34,7 @@ from logra_jax import checkpoint as checkpoint_lib
 from logra_jax import config as config_lib
 from logra_jax import metrics as metrics_lib
 from logra_jax import sharding as sharding_lib
-from logra_jax.optim import logra_metrics
+from logra_jax.optim import logra_metrics, skip_metrics
 from logra_jax.optim.low_rank import all_finite
 from logra_jax.rl import build, sync
 from logra_jax.rl.policy import Policy, Sequences
@@ -173,8 +173,8 @@ def step_row(t: Trainer, step: int, update_metrics, r: np.ndarray, ro: Rollouts,
                **{"completions/mean_length": float(lengths.mean()),
                   "completions/clipped_ratio": float(1.0 - np.asarray(ro.completed).mean())},
                **times)
-    if t.sketch is not None:
-        row.update(jax.device_get(logra_metrics(opt_state)))
+    row.update(jax.device_get(logra_metrics(opt_state) if t.sketch is not None
+                              else skip_metrics(opt_state)))
     row["learning_rate"] = float(t.optimizer.learning_rate(step - 1))
     row["time/step"] = sum(times.values())
     return row
@@ -339,7 +339,7 @@ class Run:
                              f"{self.trainer.initial_norm:.4g} (the run diverged; "
                              f"optimizer.max_weight_norm_growth={growth}); the weights were not "
                              f"saved, {kept}; lower the learning rate")
-        if not row.get("logra/skipped", False):
+        if not row.get("logra/skipped", row.get("skipped", False)):
             return 0
         skipped_in_a_row += 1
         logging.warning("step %d: the update was not finite and was skipped (weights unchanged); "

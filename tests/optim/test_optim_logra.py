@@ -86,6 +86,12 @@ def grpo_run(tiny):
     (dict(eps=-1.0), "eps"), (dict(max_grad_norm=0.0), "max_grad_norm"),
     (dict(variant="kl", weight_decay=0.1), "weight_decay"), (dict(targets="(unclosed"), "targets"),
     (dict(variant="kl", update_ratio=0.0), "update_ratio"), (dict(kl_control=True, alpha_max=0.0), "alpha_max"),
+    (dict(learning_rate=float("nan")), "learning_rate"), (dict(learning_rate=float("inf")), "learning_rate"),
+    (dict(others_learning_rate=-1e-3), "others_learning_rate"),
+    # schedules are checked at their first update
+    (dict(learning_rate=lambda count: jnp.nan * count), "learning_rate must be finite and ≥ 0; the schedule"),
+    (dict(learning_rate=warmup_constant(float("nan"), 10)), "learning_rate"),
+    (dict(others_learning_rate=optax.constant_schedule(-1.0)), "others_learning_rate"),
 ])
 def test_invalid_arguments_name_the_argument(kwargs, name):
     with pytest.raises(ValueError, match=name):

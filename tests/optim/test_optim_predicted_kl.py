@@ -121,7 +121,7 @@ def test_safeguard_scales_back_a_step_the_prediction_undershot(setup):
     budget = 2e-4
     update = setup["candidate"](1e-3)
     undershoot = lambda u: setup["predict"](u) / 10.0
-    for safeguard, backs_off in ((2.0, True), (float("inf"), False)):
+    for safeguard, backs_off in ((1.0, True), (float("inf"), False)):
         tx = scale_by_predicted_kl(kl_budget=budget, kl_budget_final=budget, alpha_max=1e3,
                                    kl_safeguard=safeguard, kl_correction=0.0)
         scaled, state = tx.update(update, tx.init(None), predict_kl=undershoot,
@@ -131,8 +131,9 @@ def test_safeguard_scales_back_a_step_the_prediction_undershot(setup):
         if backs_off:
             np.testing.assert_allclose(float(state.backoff), math.sqrt(0.1), rtol=0.03)
             assert abs(realized - budget) / budget <= 0.05, realized
-            # the logged prediction is the one for the applied (backed-off) step
-            np.testing.assert_allclose(float(state.predicted_kl), budget / 10, rtol=0.05)
+            # the applied step's prediction is s²·K; the JVP's (of the α-scaled step) was B
+            np.testing.assert_allclose(float(state.predicted_kl), budget, rtol=1e-5)
+            np.testing.assert_allclose(float(state.jvp_kl), budget, rtol=1e-5)
         else:
             assert float(state.backoff) == 1.0
             assert realized > 8 * budget
@@ -151,7 +152,7 @@ def test_correction_learns_a_biased_prediction(setup):
     for _ in range(8):
         scaled, state = tx.update(update, state, predict_kl=undershoot, candidate_kl=setup["checked"])
         realized = float(setup["realized"](setup["apply"](scaled)))
-        errors.append(abs(realized - float(state.predicted_kl)) / realized)
+        errors.append(abs(realized - float(state.jvp_kl)) / realized)
     assert errors[0] > 0.7                      # the first step trusts the raw prediction: 4× off
     assert errors[-1] < 0.05, errors
     np.testing.assert_allclose(float(state.kl_ratio), 4.0, rtol=0.05)
