@@ -112,6 +112,7 @@ def get_config() -> ml_collections.ConfigDict:
                                           # (inf and 0: the reference's controller)
         update_ratio=6e-5,                # kl only: relative size of the proposed step
         factor_dtype=placeholder(str),    # "bfloat16": round the GRPO variant's U (exact factors sync)
+        merge_rounding="stochastic",      # bf16 weights: "stochastic" (unbiased) | "nearest"
     ))
     # optax.adamw(...) after clipping by the global norm (max_grad_norm 0: no clipping).
     c.optimizer.adamw = ml_collections.ConfigDict(dict(

@@ -304,3 +304,43 @@ def test_unknown_override_key_exits_with_its_name():
     with pytest.raises(SystemExit) as e:
         config_lib.check_argv(["--config=configs/tiny.py", "--config.optimizer.rnak=4"])
     assert "unknown config key 'optimizer.rnak'" in str(e.value)
+
+
+@pytest.mark.parametrize("name", ["logra-grpo", "logra-kl"])
+def test_bf16_weights_train_resume_and_sync_bit_exact(name, tmp_path):
+    """model.param_dtype=bfloat16 with stochastic-rounding merges: the target kernels are bf16 in
+    memory and in checkpoints and they move; a factors receiver that holds only bf16 weights
+    (no master copy) ends on the trainer's bits; a resumed run ends on the same bits as a straight
+    one (the rounding bits come from A's key)."""
+    config = make_config(name, max_steps=2, model=dict(param_dtype="bfloat16"),
+                         optimizer=dict(logra=dict(kl_control=name == "logra-kl")),
+                         sync=dict(mode="factors", rollout_devices=4, master_copy=False),
+                         checkpoint=dict(every=1, keep=3))
+    trainer = trainer_lib.Trainer(config)
+    straight = trainer_lib.Run(config, tmp_path / "straight", trainer=trainer)
+    straight.loop()
+    straight.close()
+    end = _flat(straight.params)
+    is_target = trainer.sketch.is_target
+    initial = _flat(trainer.initial_params)
+    for path, value in end.items():
+        if is_target(path):
+            assert value.dtype == jnp.bfloat16, path
+            assert not np.array_equal(value, initial[path]), f"{path} did not move"
+    engine = _flat(straight.engine.params)
+    for path in end:
+        np.testing.assert_array_equal(engine[path], end[path].astype(engine[path].dtype), err_msg=path)
+    saved = trainer_lib.checkpoint_lib.Checkpointer(tmp_path / "straight" / "checkpoints")
+    restored = _flat(saved.restore_params(2, trainer.init_state()[0]))
+    saved.close()
+    assert {restored[p].dtype for p in restored if is_target(p)} == {jnp.dtype(jnp.bfloat16)}
+
+    resumed_dir = tmp_path / "resumed"
+    for steps in (1, 2):
+        config.unlock()
+        config.max_steps = steps
+        run = trainer_lib.Run(config, resumed_dir, trainer=trainer)
+        run.loop()
+        run.close()
+    for path, value in _flat(run.params).items():
+        np.testing.assert_array_equal(value, end[path], err_msg=path)

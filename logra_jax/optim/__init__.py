@@ -6,6 +6,7 @@ optim/ only the package's bottom layer (projections.py: A_l(k) and the SketchPro
 takes; tree_paths.py; sharding.py):
 
 - order_free.py   U·A with the same bits on every backend and mesh (the merge's product, §5)
+- rounding.py     fp32 → bf16 weights: to nearest, or stochastically (unbiased, keyed)
 - targets.py      which weights are sketched (SketchSpec) and the trainer's probe/split/merge helpers
 - row_adam.py     RowAdam (§4): sketch → direction D; state = v per output row
 - predicted_kl.py predicted-KL step control (§6) and the JVP helper that predicts KL

@@ -119,7 +119,8 @@ def logra(*, variant: str = "grpo",
           alpha_max: float = 3.0, mismatch_weight: float = 0.3,
           kl_safeguard: float = 1.0, kl_correction: float = 0.3,
           update_ratio: float = 6e-5,
-          factor_dtype: str | None = None) -> optax.GradientTransformationExtraArgs:
+          factor_dtype: str | None = None,
+          merge_rounding: str = "stochastic") -> optax.GradientTransformationExtraArgs:
     """LoGRA: sketched RowAdam for the projection matrices, AdamW or freezing for the rest.
 
     Args:
@@ -146,6 +147,10 @@ def logra(*, variant: str = "grpo",
       factor_dtype: round the GRPO variant's factor U to this dtype ("bfloat16") before the merge,
         so a rollout engine receiving U (§8) applies exactly the trainer's update with half the
         bytes of an fp32 U (≤ r/in of the bf16 weights). The KL variant always rounds to bf16.
+      merge_rounding: how the fp32 merge result W + U·A becomes a bf16 target kernel (fp32
+        kernels are exact): "stochastic" — unbiased, E[SR(x)] = x, with bits from a key derived
+        from A's, so a resumed run or a factors receiver gets the same bf16 weights — or
+        "nearest", which loses every change below half a bf16 ulp (most of an RL step).
 
     Update kwargs: ``predict_kl``, ``mismatch`` and ``candidate_kl`` (kl_control), ``num_tokens`` (variant "kl": the
     number of valid generated tokens the sketches sum over; default 1 = already a token mean).
@@ -181,11 +186,12 @@ def logra(*, variant: str = "grpo",
         target_tx = optax.chain(scale_by_row_adam(spec, variant="grpo", b2=b2, eps=eps),
                                 scale_by_step_size(learning_rate))
         wrap = to_low_rank_updates(spec, learning_rate=learning_rate, weight_decay=weight_decay,
-                                   factor_dtype=_FACTOR_DTYPES[factor_dtype])
+                                   factor_dtype=_FACTOR_DTYPES[factor_dtype],
+                                   merge_rounding=merge_rounding)
     else:
         target_tx = optax.chain(scale_by_row_adam(spec, variant="kl", b2=b2, eps=eps),
                                 scale_by_update_ratio(spec, update_ratio))
-        wrap = to_low_rank_updates(spec, factor_dtype=jnp.bfloat16)
+        wrap = to_low_rank_updates(spec, factor_dtype=jnp.bfloat16, merge_rounding=merge_rounding)
     if others == "adamw":
         other_tx = optax.adamw(warmup_constant(others_learning_rate, others_warmup_steps),
                                weight_decay=others_weight_decay)

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from logra_jax.optim.order_free import order_free_matmul, rounded
+from logra_jax.optim.rounding import round_to
 from logra_jax.projections import projection, projection_parts
 
 _HIGHEST = jax.lax.Precision.HIGHEST  # fp32 arithmetic on every backend (no TF32/bf16 passes)
@@ -76,6 +77,9 @@ class LowRankUpdate:
       key: PRNG key data (*stack, 2) regenerating A (r × in) of each layer.
       weight_scale: fp32 scalar; 1 − lr·wd for decoupled weight decay, else 1.
       distribution: static; how A is drawn from its key.
+      rounding: static; how the fp32 merge result becomes a bf16 kernel: "nearest", or
+        "stochastic" (unbiased, with random bits derived from A's key — rounding.py). fp32
+        kernels are not rounded.
 
     ``params + update`` (what ``optax.apply_updates`` does) materialises this leaf's ΔW; use
     ``apply_updates`` of this module to merge one layer at a time instead. Transforms placed after
@@ -86,6 +90,7 @@ class LowRankUpdate:
     key: jax.Array
     weight_scale: jax.Array
     distribution: str = dataclasses.field(default="rademacher", metadata=dict(static=True))
+    rounding: str = dataclasses.field(default="nearest", metadata=dict(static=True))
 
     __array_ufunc__ = None  # make numpy defer `ndarray + LowRankUpdate` to __radd__
     tree_path_leaf = True   # one leaf for tree_paths.leaves_with_paths, not its factor and key
@@ -104,7 +109,8 @@ class LowRankUpdate:
         """weight_scale·K + ΔK, one layer at a time in place (with donation), in K's dtype."""
         _check_kernel(kernel, self)
         if not self.stack_shape:
-            return _merge_one(kernel, self.factor, self.key, self.weight_scale, self.distribution)
+            return _merge_one(kernel, self.factor, self.key, self.weight_scale, self.distribution,
+                              self.rounding)
         n = math.prod(self.stack_shape)
         kernels = kernel.reshape((n,) + kernel.shape[-2:])
         factors = self.factor.reshape((n,) + self.factor.shape[-2:])
@@ -114,7 +120,8 @@ class LowRankUpdate:
         # emitting a new stack would hold a second copy of all target weights.
         def body(i, kernels):
             layer = jax.lax.dynamic_index_in_dim(kernels, i, keepdims=False)
-            layer = _merge_one(layer, factors[i], keys[i], self.weight_scale, self.distribution)
+            layer = _merge_one(layer, factors[i], keys[i], self.weight_scale, self.distribution,
+                               self.rounding)
             return jax.lax.dynamic_update_index_in_dim(kernels, layer, i, 0)
         return jax.lax.fori_loop(0, n, body, kernels).reshape(kernel.shape)
 
@@ -149,10 +156,17 @@ def _delta_one(u, key, in_dim, distribution):
     return order_free_matmul(unit.T, scaled.T, x_is_sign=distribution == "rademacher")
 
 
-def _merge_one(kernel, u, key, weight_scale, distribution):
-    """ws·K + ΔK in K's dtype; ws·K is rounded before the add, as on every side of a sync."""
+# Folded into A's key for the rounding bits: a key of its own, a function of (seed, target, k, layer).
+_ROUNDING_SALT = 0x5352
+
+
+def _merge_one(kernel, u, key, weight_scale, distribution, rounding="nearest"):
+    """ws·K + ΔK in K's dtype; ws·K is rounded before the add, as on every side of a sync. To a
+    bf16 K the fp32 sum is rounded by ``rounding``, stochastically with a key derived from A's."""
     delta = _delta_one(u, key, kernel.shape[0], distribution)
-    return (rounded(weight_scale * kernel.astype(jnp.float32)) + delta).astype(kernel.dtype)
+    merged = rounded(weight_scale * kernel.astype(jnp.float32)) + delta
+    return round_to(merged, kernel.dtype, rounding,
+                    jax.random.fold_in(key, _ROUNDING_SALT) if rounding == "stochastic" else None)
 
 
 def _is_low_rank(x) -> bool:

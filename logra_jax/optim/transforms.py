@@ -24,6 +24,7 @@ import optax
 
 from logra_jax.optim import low_rank
 from logra_jax.optim.low_rank import LowRankUpdate
+from logra_jax.optim.rounding import ROUNDINGS
 from logra_jax.optim.row_adam import as_sketch
 from logra_jax.optim.targets import SketchSpec, require_params
 from logra_jax.tree_paths import leaves_with_paths, map_with_paths
@@ -180,14 +181,18 @@ class LowRankState(NamedTuple):
 def to_low_rank_updates(spec: SketchSpec = SketchSpec(), *,
                         learning_rate: optax.ScalarOrSchedule | None = None,
                         weight_decay: float = 0.0,
-                        factor_dtype=None) -> optax.GradientTransformationExtraArgs:
+                        factor_dtype=None,
+                        merge_rounding: str = "nearest") -> optax.GradientTransformationExtraArgs:
     """Wraps each target's factor U (*stack, out, r) as ``LowRankUpdate(U, key of A_l(k), ws)``.
 
     ``weight_scale`` ws = 1 − lr(t)·weight_decay (decoupled decay, GRPO variant) or 1.
     ``factor_dtype`` rounds U (the KL variant uses bfloat16, so a receiver applying the same bf16
-    factor with the same A reproduces the trainer's merge exactly, §8). Must be the last LoGRA
-    transform: later transforms would see ``LowRankUpdate`` leaves.
+    factor with the same A reproduces the trainer's merge exactly, §8). ``merge_rounding``: how a
+    bf16 kernel receives the fp32 merge result ("nearest" | "stochastic", ``LowRankUpdate``).
+    Must be the last LoGRA transform: later transforms would see ``LowRankUpdate`` leaves.
     """
+    if merge_rounding not in ROUNDINGS:
+        raise ValueError(f"merge_rounding must be one of {ROUNDINGS}, got {merge_rounding!r}")
     def init_fn(params):
         spec.find_targets(params)
         return LowRankState(count=jnp.zeros([], jnp.int32), update_index=_zero_index(spec))
@@ -211,7 +216,7 @@ def to_low_rank_updates(spec: SketchSpec = SketchSpec(), *,
                                  f"put it after scale_by_row_adam in the chain")
             factor = u if factor_dtype is None else u.astype(factor_dtype)
             return LowRankUpdate(factor=factor, key=spec.keys(info, k), weight_scale=weight_scale,
-                                 distribution=spec.distribution)
+                                 distribution=spec.distribution, rounding=merge_rounding)
 
         return (map_with_paths(wrap, updates),
                 LowRankState(count=optax.safe_increment(state.count), update_index=spec.next_index(k)))

@@ -144,12 +144,15 @@ class SyncMessage:
     sequence: the sender's count of messages before this one. ``factors`` and ``sparse`` messages
       are deltas: a receiver must apply every one of them, in order, and checks this number.
     num_changed: sparse only, {path: changed entries} (patches are padded to a bucket size).
+    rounding: factors only, how a bf16 target receives the merge (``LowRankUpdate.rounding``; the
+      stochastic bits come from A's key, so nothing more is sent).
     """
 
     mode: str
     payload: dict[str, Any]
     sequence: int
     num_changed: dict[str, int] = dataclasses.field(default_factory=dict)
+    rounding: str = "nearest"
 
     @property
     def nbytes(self) -> int:
@@ -183,6 +186,7 @@ class SyncSender:
         self.dense_paths = ([p for p in self.trainable if p not in self.targets]
                             if mode == "factors" else list(self.trainable))
         self._sequence = 0
+        self._rounding = "nearest"  # of the last factors message
         if mode == "sparse":
             for path in self.trainable:
                 sync_sparse.check_indexable(path, int(np.prod(shapes[path])))
@@ -206,7 +210,8 @@ class SyncSender:
         else:
             payload, num_changed = self._sparse_payload(params)
         message = SyncMessage(self.mode, payload, self._sequence,
-                              num_changed if self.mode == "sparse" else {})
+                              num_changed if self.mode == "sparse" else {},
+                              rounding=self._rounding if self.mode == "factors" else "nearest")
         self._sequence += 1
         return message
 
@@ -245,6 +250,7 @@ class SyncSender:
             "weight_scale": {p: jnp.asarray(u.weight_scale, jnp.float32) for p, u in low_rank.items()},
             "update_index": k,
         }
+        self._rounding = next(iter(low_rank.values())).rounding if low_rank else "nearest"
         return payload
 
     def _sparse_payload(self, params) -> tuple[dict[str, Any], dict[str, int]]:
@@ -321,9 +327,10 @@ class RolloutEngine:
         if mode == "factors":
             if self.master_copy:
                 self._merge = jax.jit(self._merge_exact_impl, donate_argnums=(0, 1),
+                                      static_argnames="rounding",
                                       out_shardings=(target_shardings, target_shardings))
             else:
-                self._merge = jax.jit(self._merge_impl, donate_argnums=0,
+                self._merge = jax.jit(self._merge_impl, donate_argnums=0, static_argnames="rounding",
                                       out_shardings=target_shardings)
         self._logprobs = _logprob_fn(policy, float(temperature))
 
@@ -356,7 +363,7 @@ class RolloutEngine:
             self._check_leaf(path, value.shape, value.dtype)
             self._leaves[path] = value
         if self.mode == "factors":
-            self._apply_factors(payload)
+            self._apply_factors(payload, message.rounding)
         elif self.mode == "sparse":
             for path, indices in payload["indices"].items():
                 self._check_leaf(path, None, payload["values"][path].dtype)
@@ -384,7 +391,7 @@ class RolloutEngine:
             raise ValueError(f"sync message for {path!r}: {tuple(shape) if shape else ''} {dtype} "
                              f"does not fit the sampler's {leaf.shape} {leaf.dtype}")
 
-    def _apply_factors(self, payload) -> None:
+    def _apply_factors(self, payload, rounding: str) -> None:
         factors = payload["factors"]
         if set(factors) != set(self.targets):
             raise ValueError(f"factors sync message covers {sorted(factors)}, the targets are "
@@ -396,25 +403,27 @@ class RolloutEngine:
         args = (factors, payload["weight_scale"], payload["update_index"])
         old = {p: self._leaves.pop(p) for p in self.targets}
         if self.master_copy:
-            self._master, new = self._merge(self._master, old, *args)
+            self._master, new = self._merge(self._master, old, *args, rounding=rounding)
         else:
-            new = self._merge(old, *args)
+            new = self._merge(old, *args, rounding=rounding)
         self._leaves.update(new)
 
-    def _merge_impl(self, weights, factors, weight_scales, update_index):
-        """The trainer's merge per target: W ← ws·W + U·A(k), in fp32, cast back to W's dtype."""
+    def _merge_impl(self, weights, factors, weight_scales, update_index, rounding="nearest"):
+        """The trainer's merge per target: W ← ws·W + U·A(k), in fp32, rounded back to W's dtype
+        as the trainer rounds it (``rounding``)."""
         out = {}
         for path, w in weights.items():
             update = LowRankUpdate(factor=factors[path],
                                    key=self.sketch.keys(self.targets[path], update_index),
                                    weight_scale=weight_scales[path],
-                                   distribution=self.sketch.distribution)
+                                   distribution=self.sketch.distribution, rounding=rounding)
             out[path] = update.merge_into(w)
         return out
 
-    def _merge_exact_impl(self, master, old_weights, factors, weight_scales, update_index):
+    def _merge_exact_impl(self, master, old_weights, factors, weight_scales, update_index,
+                          rounding="nearest"):
         del old_weights  # donated: their buffers hold the new bf16 weights
-        master = self._merge_impl(master, factors, weight_scales, update_index)
+        master = self._merge_impl(master, factors, weight_scales, update_index, rounding)
         return master, {p: w.astype(self.dtype) for p, w in master.items()}
 
     def _patcher(self, path):
