@@ -1,14 +1,16 @@
 """Per-device memory of one policy update and of the whole RL loop, ahead of time, on CPU.
 
     python -m launch.memory --config configs/qwen2_5_7b_gsm8k.py [--mesh fsdp=4,tensor=1] \
-        [--optimizer logra|adamw] [--compare adamw] [--micro_steps N] [--rollout_devices N] \
-        [--explain 15] [--json out.json] [--config.key=value ...]
+        [--optimizer logra|adamw] [--compare adamw[,logra:fp32,...]] [--micro_steps N] \
+        [--rollout_devices N] [--explain 15] [--json out.json] [--config.key=value ...]
 
 The trainer's jitted update is compiled for the config's model shape on simulated CPU devices
 (abstract inputs: nothing is allocated, 7B and 27B shapes compile in about a minute) and XLA's
 memory analysis is printed per training device: params, optimizer state, gradients or sketches,
 temporaries and the peak, plus the reference and sampler weights and the KV cache the RL loop
-keeps. With ``--compare adamw`` the last line is
+keeps. ``--compare`` adds columns, each an optimizer with the config's weight dtype or with
+``:bf16`` / ``:fp32`` weights; AdamW is always the usual mixed-precision baseline, fp32 master
+weights and moments (bf16-weight AdamW is not offered). Each extra column ends in a line
 
     peak per device: logra X GiB, adamw Y GiB, ratio Z        (Z = X / Y, update peaks)
 
@@ -53,8 +55,9 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/*.p
 _MESH = flags.DEFINE_string("mesh", None, "Training mesh, e.g. fsdp=4,tensor=1 (default: config.mesh).")
 _OPTIMIZER = flags.DEFINE_enum("optimizer", None, ["logra", "adamw"],
                                "Optimizer to measure (default: config.optimizer.name).")
-_COMPARE = flags.DEFINE_enum("compare", None, ["logra", "adamw"],
-                             "Also measure this optimizer and print the ratio of the peaks.")
+_COMPARE = flags.DEFINE_list("compare", None,
+                             "Also measure these columns (logra | adamw, optionally :bf16 or :fp32 "
+                             "weights) and print the ratio of the peaks to the first column.")
 _MICRO_STEPS = flags.DEFINE_integer("micro_steps", None,
                                     "Micro-batches per update (default: the config's batch).")
 _ROLLOUT = flags.DEFINE_integer("rollout_devices", None,
@@ -87,7 +90,27 @@ def rollout_devices_of(config, flag_value) -> int:
     return int(value)
 
 
-def measure(config, optimizers, mesh_sizes, rollout_devices, micro_steps, explain):
+_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+_SHORT = {v: k for k, v in _DTYPES.items()}
+
+
+def columns(config, compare) -> list[tuple[str, str, str]]:
+    """(label, optimizer, param_dtype) per column: the config's own first, then ``compare``'s."""
+    own = config.model.param_dtype
+    out = []
+    for spec in [config.optimizer.name] + list(compare or []):
+        name, _, dtype = spec.partition(":")
+        if name not in ("logra", "adamw") or (dtype and dtype not in _DTYPES):
+            raise ValueError(f"--compare {spec!r}: expected logra or adamw, optionally with :bf16 "
+                             f"or :fp32 (e.g. adamw,logra:fp32)")
+        param_dtype = "float32" if name == "adamw" else _DTYPES.get(dtype, own)
+        label = name if param_dtype == own else f"{name}/{_SHORT[param_dtype]}"
+        if label not in [c[0] for c in out]:
+            out.append((label, name, param_dtype))
+    return out
+
+
+def measure(config, cols, mesh_sizes, rollout_devices, micro_steps, explain):
     import jax
     from logra_jax import memory
     from logra_jax.rl.build import build_mesh
@@ -100,18 +123,20 @@ def measure(config, optimizers, mesh_sizes, rollout_devices, micro_steps, explai
     rollout = (build_mesh({"fsdp": rollout_devices, "tensor": 1},
                           devices[len(devices) - rollout_devices:])
                if rollout_devices else mesh)
-    steps, breakdowns = [], {}
-    for name in optimizers:
+    steps, loops, breakdowns = [], [], {}
+    for label, name, param_dtype in cols:
         run = config.copy_and_resolve_references()
         run.optimizer.name = name
+        run.model.param_dtype = param_dtype
         if explain:
             with tempfile.TemporaryDirectory() as dump:
-                steps.append(memory.update_step_memory(run, mesh, micro_steps=micro_steps, dump_dir=dump))
-                breakdowns[name] = memory.peak_breakdown(dump)
+                steps.append(memory.update_step_memory(run, mesh, micro_steps=micro_steps,
+                                                       dump_dir=dump, label=label))
+                breakdowns[label] = memory.peak_breakdown(dump)
         else:
-            steps.append(memory.update_step_memory(run, mesh, micro_steps=micro_steps))
-    loop = memory.rl_resident_bytes(config, mesh, rollout)
-    return mesh, steps, loop, breakdowns
+            steps.append(memory.update_step_memory(run, mesh, micro_steps=micro_steps, label=label))
+        loops.append(memory.rl_resident_bytes(run, mesh, rollout))
+    return mesh, steps, loops, breakdowns
 
 
 def main(argv):
@@ -122,35 +147,35 @@ def main(argv):
     try:
         if _OPTIMIZER.value:
             config.optimizer.name = _OPTIMIZER.value
-        optimizers = [config.optimizer.name]
-        if _COMPARE.value and _COMPARE.value != config.optimizer.name:
-            optimizers.append(_COMPARE.value)
+        cols = columns(config, _COMPARE.value)
         mesh_sizes = parse_mesh(_MESH.value) if _MESH.value else dict(config.mesh)
         rollout_devices = rollout_devices_of(config, _ROLLOUT.value)
-        mesh, steps, loop, breakdowns = measure(config, optimizers, mesh_sizes, rollout_devices,
-                                                _MICRO_STEPS.value, _EXPLAIN.value)
+        mesh, steps, loops, breakdowns = measure(config, cols, mesh_sizes, rollout_devices,
+                                                 _MICRO_STEPS.value, _EXPLAIN.value)
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"error: {e}")
 
     rl = config.rl
-    print(f"model {config.model.source} ({config.model.param_dtype} master, {config.model.dtype} compute, "
+    print(f"model {config.model.source} ({config.model.param_dtype} weights, {config.model.dtype} compute, "
           f"remat={config.model.remat}); training mesh {dict(mesh.shape)}; "
           f"{steps[0].micro_steps} micro-step(s) of {rl.micro_batch_size} rows × "
           f"{rl.max_prompt_length + rl.max_completion_length} tokens; rollout: "
-          f"{'colocated' if loop.colocated else f'{loop.rollout_devices} own devices'}")
-    print(memory.format_table(steps, loop))
+          f"{'colocated' if loops[0].colocated else f'{loops[0].rollout_devices} own devices'}")
+    print(memory.format_table(steps, loops))
     for name, (peak, entries) in breakdowns.items():
         print(f"\nlargest buffers live at the {name} peak ({memory.gib(peak)} GiB), MiB:")
         for label, size in entries[:_EXPLAIN.value]:
             print(f"  {size / 2**20:>9.1f}  {label}")
     if _JSON.value:
-        payload = {"mesh": dict(mesh.shape), "loop": loop.__dict__,
+        payload = {"mesh": dict(mesh.shape), "loop": loops[0].__dict__,
+                   "loops": {s.optimizer: loop.__dict__ for s, loop in zip(steps, loops)},
                    "steps": [dict(s.__dict__, peak=s.peak) for s in steps],
-                   "footprint": {s.optimizer: memory.rl_footprint(s, loop) for s in steps}}
+                   "footprint": {s.optimizer: memory.rl_footprint(s, loop)
+                                 for s, loop in zip(steps, loops)}}
         with open(_JSON.value, "w") as f:
             json.dump(payload, f, indent=1)
-    if len(steps) == 2:
-        a, b = steps
+    a = steps[0]
+    for b in steps[1:]:
         print(f"peak per device: {a.optimizer} {memory.gib(a.peak)} GiB, {b.optimizer} "
               f"{memory.gib(b.peak)} GiB, ratio {a.peak / b.peak:.3f}")
 

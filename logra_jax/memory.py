@@ -159,12 +159,14 @@ class StepMemory:
 
 
 def update_step_memory(config: ml_collections.ConfigDict, mesh: Mesh, *, micro_steps: int | None = None,
-                       dump_dir: str | pathlib.Path | None = None) -> StepMemory:
+                       dump_dir: str | pathlib.Path | None = None,
+                       label: str | None = None) -> StepMemory:
     """Compiles one update of ``config`` (model shape, optimizer, batch) on ``mesh``; no arrays.
 
     ``micro_steps`` sets the batch to that many micro-batches of ``rl.micro_batch_size`` rows
     (default: the config's prompts_per_step × num_generations rows). ``dump_dir`` keeps XLA's HLO
-    dump of the step there (for `peak_breakdown`).
+    dump of the step there (for `peak_breakdown`). ``label`` names the column (default: the
+    optimizer's name).
     """
     model_config = model_shapes.model_config_from(config.model)
     model = abstract_model(model_config)
@@ -193,7 +195,7 @@ def update_step_memory(config: ml_collections.ConfigDict, mesh: Mesh, *, micro_s
     lowered = update.jitted(params, opt_state).lower(params, opt_state, batch)
     stats = lowered.compile(compiler_options=options or None).memory_analysis()
     return StepMemory(
-        optimizer=config.optimizer.name, devices=mesh.size, micro_steps=rows // rl.micro_batch_size,
+        optimizer=label or config.optimizer.name, devices=mesh.size, micro_steps=rows // rl.micro_batch_size,
         params=device_bytes(params), opt_state=device_bytes(opt_state), batch=device_bytes(batch),
         gradients=gradient_bytes(params, sketch, train_others),
         arguments=stats.argument_size_in_bytes, outputs=stats.output_size_in_bytes,
@@ -209,7 +211,8 @@ class LoopMemory:
     """Per-device bytes the RL loop holds besides the update step.
 
     reference: the frozen reference policy (bf16, on the training devices) when beta > 0.
-    sampler_weights: the rollout engine's bf16 weights, on the rollout devices.
+    sampler_weights: the rollout engine's bf16 weights, on the rollout devices (0 when a colocated
+      sampler reads the policy's bf16 params themselves).
     kv_cache: the sampler's cache for one rollout batch (compute dtype), on the rollout devices;
       it exists only while sampling.
     colocated: the rollout devices are the training devices (then all of it adds up there).
@@ -244,10 +247,13 @@ def rl_resident_bytes(config: ml_collections.ConfigDict, training: Mesh, rollout
     model = abstract_model(model_config)
     rl = config.rl
     reference = device_bytes(_bf16(abstract_params(model, training))) if rl.beta > 0 else 0
-    sampler = device_bytes(_bf16(abstract_params(model, rollout)))
     rows = config.data.prompts_per_step * rl.num_generations
     kv = kv_cache_bytes(model_config, rows, rl.max_prompt_length + rl.max_completion_length, rollout)
     colocated = set(rollout.devices.flat) == set(training.devices.flat)
+    # A colocated sampler without a sync reads the policy's own params: bf16 params are its weights
+    # (no copy); from fp32 params it holds a bf16 cast of them while it samples.
+    shares = colocated and config.sync.mode == "off" and config.model.param_dtype == "bfloat16"
+    sampler = 0 if shares else device_bytes(_bf16(abstract_params(model, rollout)))
     return LoopMemory(reference=reference, sampler_weights=sampler, kv_cache=kv,
                       rollout_devices=rollout.size, colocated=colocated)
 
@@ -331,12 +337,13 @@ def gib(n: int) -> str:
     return f"{value:.2f}" if value >= 0.00995 or value == 0 else f"{value:.3g}"
 
 
-def format_table(steps: list[StepMemory], loop: LoopMemory | None = None) -> str:
-    """One column per optimizer, GiB per training device."""
+def format_table(steps: list[StepMemory], loops: list[LoopMemory] | LoopMemory | None = None) -> str:
+    """One column per measured update (its ``optimizer`` label), GiB per training device; with
+    ``loops`` (one per column, or one for all) the RL loop's resident memory and footprint."""
     names = [s.optimizer for s in steps]
     width = max(10, *(len(n) for n in names))
     rows: list[tuple[str, list[str]]] = [
-        ("params (fp32 master)", [gib(s.params) for s in steps]),
+        ("params (master weights)", [gib(s.params) for s in steps]),
         ("optimizer state", [gib(s.opt_state) for s in steps]),
         ("gradients/sketches", [gib(s.gradients) for s in steps]),
         ("other temporaries", [gib(s.other_temporaries) for s in steps]),
@@ -344,12 +351,13 @@ def format_table(steps: list[StepMemory], loop: LoopMemory | None = None) -> str
         ("batch", [gib(s.batch) for s in steps]),
         ("update peak (XLA)", [gib(s.peak) for s in steps]),
     ]
-    if loop is not None:
-        rows.append(("+ reference (bf16)", [gib(loop.reference)] * len(steps)))
-        where = "colocated" if loop.colocated else f"own {loop.rollout_devices} devices"
-        rows.append((f"sampler bf16 ({where})", [gib(loop.sampler_weights)] * len(steps)))
-        rows.append((f"KV cache ({where})", [gib(loop.kv_cache)] * len(steps)))
-        phases = [rl_footprint(s, loop) for s in steps]
+    if loops is not None:
+        loops = loops if isinstance(loops, list) else [loops] * len(steps)
+        rows.append(("+ reference (bf16)", [gib(loop.reference) for loop in loops]))
+        where = "colocated" if loops[0].colocated else f"own {loops[0].rollout_devices} devices"
+        rows.append((f"sampler bf16 ({where})", [gib(loop.sampler_weights) for loop in loops]))
+        rows.append((f"KV cache ({where})", [gib(loop.kv_cache) for loop in loops]))
+        phases = [rl_footprint(s, loop) for s, loop in zip(steps, loops)]
         rows.append(("RL update phase", [gib(p["update"]) for p in phases]))
         rows.append(("RL rollout phase", [gib(p["rollout"]) for p in phases]))
         rows.append(("RL footprint (max)", [gib(p["total"]) for p in phases]))

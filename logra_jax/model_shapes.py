@@ -38,6 +38,12 @@ MODEL_SHAPES: dict[str, dict] = {
                        num_kv_heads=16, head_dim=128, intermediate_size=21504, rope_theta=1e6,
                        rms_norm_eps=1e-6, qkv_bias=False, tie_embeddings=True,
                        max_position_embeddings=131072),
+    # meta-llama/Llama-3.1-70B(-Instruct): 80 layers, d 8192, MLP 28672, 64 q / 8 kv heads × 128,
+    # vocabulary 128256, untied head: 70.55 B parameters. Its llama3 rope scaling changes no bytes.
+    "llama3_1_70b": dict(vocab_size=128256, hidden_size=8192, num_layers=80, num_heads=64,
+                         num_kv_heads=8, head_dim=128, intermediate_size=28672, rope_theta=5e5,
+                         rms_norm_eps=1e-5, qkv_bias=False, tie_embeddings=False,
+                         max_position_embeddings=131072),
 }
 
 

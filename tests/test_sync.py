@@ -124,7 +124,11 @@ def kl():
     policy = Policy(model)
     sampler = Sampler(policy, max_prompt_length=PROMPT, max_completion_length=STEPS, eos_ids=[95],
                       pad_id=0)
-    tx = logra(variant="kl", kl_control=False, rank=SPEC.rank, seed=SPEC.seed)
+    # merge_rounding="nearest": the fp32 trainer is exact either way, and the bf16-only receiver is
+    # the negative control that rounds sub-ulp changes away (stochastic rounding for bf16 weights
+    # is tested in tests/test_trainer.py and tests/optim/test_optim_rounding.py).
+    tx = logra(variant="kl", kl_control=False, rank=SPEC.rank, seed=SPEC.seed,
+               merge_rounding="nearest")
     step = PolicyUpdate(policy, tx, LossConfig(algorithm="reinforce"), micro_batch_size=ROWS,
                         probe_size=2, sketch=SPEC, train_others=False, return_updates=True)
     params = Policy.params_of(model)

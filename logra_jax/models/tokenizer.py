@@ -74,6 +74,10 @@ class Tokenizer:
             raise ValueError(f"encode expects a str, got {type(text).__name__}")
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_batch(self, texts: Sequence[str], *, add_special_tokens: bool = False) -> list[list[int]]:
+        """``encode`` of each text, in parallel (the Rust tokenizer's threads)."""
+        return [e.ids for e in self.backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
+
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 

@@ -68,18 +68,18 @@ class Rollouts:
     golds: list[str]
 
 
-def prompt_ids(example, tokenizer, spec: RolloutSpec) -> list[int]:
-    """The token ids of ``example``'s chat-formatted prompt, as the sampler receives them."""
-    return tokenizer.encode(format_prompt(example["question"], tokenizer,
-                                          system_prompt=spec.system_prompt,
-                                          instruction=spec.instruction))
+def prompt_text(example, tokenizer, spec: RolloutSpec) -> str:
+    """``example``'s chat-formatted prompt, as the sampler receives it."""
+    return format_prompt(example["question"], tokenizer, system_prompt=spec.system_prompt,
+                         instruction=spec.instruction)
 
 
 def fit_prompt_window(source, tokenizer, spec: RolloutSpec, *, skip_long: bool):
     """``source``, checked before anything is compiled: every prompt must fit the
     ``max_prompt_length`` window. One that does not is an error naming the key, or, with
     ``skip_long`` (verl's filter_overlong_prompts), left out of a `SubsetSource` of the rest."""
-    lengths = np.array([len(prompt_ids(source[i], tokenizer, spec)) for i in range(len(source))])
+    texts = [prompt_text(source[i], tokenizer, spec) for i in range(len(source))]
+    lengths = np.array([len(ids) for ids in tokenizer.encode_batch(texts)])
     too_long = lengths > spec.max_prompt_length
     if not too_long.any():
         return source
@@ -99,7 +99,8 @@ def fit_prompt_window(source, tokenizer, spec: RolloutSpec, *, skip_long: bool):
 def collect_rollouts(sampler: Sampler, params, tokenizer, examples, spec: RolloutSpec, rng,
                      batch_sharding) -> Rollouts:
     """Samples ``num_generations`` completions per prompt (rows of a group are adjacent)."""
-    ids = [ids for ex in examples for ids in [prompt_ids(ex, tokenizer, spec)] * spec.num_generations]
+    ids = [ids for ex in examples
+           for ids in [tokenizer.encode(prompt_text(ex, tokenizer, spec))] * spec.num_generations]
     tokens, mask = pad_prompts(ids, spec.max_prompt_length, sampler.pad_id)
     tokens, mask = jax.device_put((tokens, mask), batch_sharding)
     out = sampler.generate(params, tokens, mask, rng, temperature=spec.temperature,
