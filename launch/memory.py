@@ -64,6 +64,10 @@ _ROLLOUT = flags.DEFINE_integer("rollout_devices", None,
                                 "Devices of the rollout engine; 0 = colocated with training "
                                 "(default: config.sync.rollout_devices, else 0).")
 _EXPLAIN = flags.DEFINE_integer("explain", 0, "List the N largest buffers live at each peak.")
+_NO_LICM = flags.DEFINE_bool("no_licm", False,
+                             "Disable XLA's loop-invariant code motion for every column: on CPU it "
+                             "hoists f32 copies of whole bf16 weight stacks out of the layer loops "
+                             "(bf16 dots run in f32 here, natively on GPUs). For bf16-weight plans.")
 _JSON = flags.DEFINE_string("json", None, "Also write the numbers (bytes) to this JSON file.")
 flags.mark_flags_as_required(["config"])
 
@@ -90,27 +94,7 @@ def rollout_devices_of(config, flag_value) -> int:
     return int(value)
 
 
-_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
-_SHORT = {v: k for k, v in _DTYPES.items()}
-
-
-def columns(config, compare) -> list[tuple[str, str, str]]:
-    """(label, optimizer, param_dtype) per column: the config's own first, then ``compare``'s."""
-    own = config.model.param_dtype
-    out = []
-    for spec in [config.optimizer.name] + list(compare or []):
-        name, _, dtype = spec.partition(":")
-        if name not in ("logra", "adamw") or (dtype and dtype not in _DTYPES):
-            raise ValueError(f"--compare {spec!r}: expected logra or adamw, optionally with :bf16 "
-                             f"or :fp32 (e.g. adamw,logra:fp32)")
-        param_dtype = "float32" if name == "adamw" else _DTYPES.get(dtype, own)
-        label = name if param_dtype == own else f"{name}/{_SHORT[param_dtype]}"
-        if label not in [c[0] for c in out]:
-            out.append((label, name, param_dtype))
-    return out
-
-
-def measure(config, cols, mesh_sizes, rollout_devices, micro_steps, explain):
+def measure(config, cols, mesh_sizes, rollout_devices, micro_steps, explain, hoist=True):
     import jax
     from logra_jax import memory
     from logra_jax.rl.build import build_mesh
@@ -131,10 +115,12 @@ def measure(config, cols, mesh_sizes, rollout_devices, micro_steps, explain):
         if explain:
             with tempfile.TemporaryDirectory() as dump:
                 steps.append(memory.update_step_memory(run, mesh, micro_steps=micro_steps,
-                                                       dump_dir=dump, label=label))
+                                                       dump_dir=dump, label=label,
+                                                       hoist_invariants=hoist))
                 breakdowns[label] = memory.peak_breakdown(dump)
         else:
-            steps.append(memory.update_step_memory(run, mesh, micro_steps=micro_steps, label=label))
+            steps.append(memory.update_step_memory(run, mesh, micro_steps=micro_steps, label=label,
+                                                   hoist_invariants=hoist))
         loops.append(memory.rl_resident_bytes(run, mesh, rollout))
     return mesh, steps, loops, breakdowns
 
@@ -147,11 +133,12 @@ def main(argv):
     try:
         if _OPTIMIZER.value:
             config.optimizer.name = _OPTIMIZER.value
-        cols = columns(config, _COMPARE.value)
+        cols = memory.columns(config, _COMPARE.value)
         mesh_sizes = parse_mesh(_MESH.value) if _MESH.value else dict(config.mesh)
         rollout_devices = rollout_devices_of(config, _ROLLOUT.value)
         mesh, steps, loops, breakdowns = measure(config, cols, mesh_sizes, rollout_devices,
-                                                 _MICRO_STEPS.value, _EXPLAIN.value)
+                                                 _MICRO_STEPS.value, _EXPLAIN.value,
+                                                 hoist=not _NO_LICM.value)
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"error: {e}")
 

@@ -208,3 +208,23 @@ def test_cli_rejects_a_malformed_mesh():
                           timeout=300)
     assert proc.returncode != 0
     assert "error: --mesh 'fsdp=four'" in proc.stderr
+
+
+def test_columns_per_weight_dtype_and_a_sampler_sharing_bf16_weights():
+    """--compare columns: the config's own first; AdamW always the fp32-master baseline; a
+    colocated sampler without sync holds no copy of bf16 weights (it reads them) but a bf16 cast of
+    fp32 ones."""
+    config = tiny.get_config()
+    config.model.param_dtype = "bfloat16"
+    assert memory.columns(config, ["adamw", "logra:fp32", "logra:bf16"]) == [
+        ("logra", "logra", "bfloat16"), ("adamw/fp32", "adamw", "float32"),
+        ("logra/fp32", "logra", "float32")]
+    with pytest.raises(ValueError, match="expected logra or adamw"):
+        memory.columns(config, ["sgd"])
+    mesh = build_mesh({"fsdp": 8, "tensor": 1}, jax.devices(), spare_devices=True)
+    assert memory.rl_resident_bytes(config, mesh, mesh).sampler_weights == 0
+    config.model.param_dtype = "float32"
+    assert memory.rl_resident_bytes(config, mesh, mesh).sampler_weights > 0
+    config.model.param_dtype = "bfloat16"
+    config.sync.mode = "full"                       # an engine of its own: its own copy
+    assert memory.rl_resident_bytes(config, mesh, mesh).sampler_weights > 0
