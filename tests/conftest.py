@@ -20,3 +20,11 @@ def gsm8k_dir() -> pathlib.Path:
     if not (GSM8K_DIR / "test.jsonl").exists():
         pytest.skip(f"GSM8K files not found at {GSM8K_DIR} (CI provides ../shared/data/gsm8k)")
     return GSM8K_DIR
+
+
+@pytest.fixture(scope="session")
+def shipped_tiny_trainer():
+    """A Trainer of configs/tiny.py as shipped (compiled once for the modules that run it)."""
+    from configs import tiny
+    from logra_jax.rl import trainer as trainer_lib
+    return trainer_lib.Trainer(tiny.get_config())
