@@ -23,6 +23,20 @@ LOGRA_VARIANTS = {
 }
 
 
+# The reference's measured GRPO batch (docs/algorithm.md §7): 16 GSM8K prompts × 8 completions of
+# 512 + 1536 tokens. A published fact, so the memory-planning configs share it by name.
+REFERENCE_BATCH = (dict(source="gsm8k", prompts_per_step=16),
+                   dict(num_generations=8, max_prompt_length=512, max_completion_length=1536))
+
+
+def use_reference_batch(c: ml_collections.ConfigDict, micro_batch_size: int) -> ml_collections.ConfigDict:
+    """The reference batch, ``micro_batch_size`` rows per micro-step (1 sequence per device)."""
+    data, rl = REFERENCE_BATCH
+    c.data.update(data)
+    c.rl.update(rl, micro_batch_size=micro_batch_size)
+    return c
+
+
 def use_logra_variant(c: ml_collections.ConfigDict, name: str) -> ml_collections.ConfigDict:
     optimizer, rl = LOGRA_VARIANTS[name]
     c.optimizer.name = "logra"

@@ -25,12 +25,7 @@ def get_config():
     c.mesh.tensor = 1
     c.sync.rollout_devices = 0         # colocated, sync.mode "off": the sampler reads the params
 
-    c.data.source = "gsm8k"
-    c.data.prompts_per_step = 16
-    c.rl.num_generations = 8
-    c.rl.max_prompt_length = 512
-    c.rl.max_completion_length = 1536
-    c.rl.micro_batch_size = 8          # 1 sequence per device per micro-step
+    base.use_reference_batch(c, micro_batch_size=8)   # 1 sequence per device per micro-step
     c.rl.beta = 0.0
 
     base.use_logra_variant(c, "grpo")

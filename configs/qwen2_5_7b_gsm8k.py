@@ -25,13 +25,8 @@ def get_config():
     c.mesh.tensor = 1
     c.sync.rollout_devices = 4
 
-    c.data.source = "gsm8k"
-    c.data.prompts_per_step = 16
+    base.use_reference_batch(c, micro_batch_size=4)   # 1 sequence per training device per micro-step
     c.data.instruction = "Let's think step by step and output the final answer within \\boxed{}."
-    c.rl.num_generations = 8
-    c.rl.max_prompt_length = 512
-    c.rl.max_completion_length = 1536
-    c.rl.micro_batch_size = 4          # 1 sequence per training device per micro-step
     c.rl.beta = 0.01
     c.rl.kl_estimator = "k3"
 
