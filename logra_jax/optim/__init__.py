@@ -17,7 +17,7 @@ takes; tree_paths.py; sharding.py):
 
 from logra_jax.optim.logra import (LOGRA_STATIC_ARGS, logra, logra_metrics, skip_metrics,
                                    update_index, variant_defaults, warmup_constant)
-from logra_jax.optim.low_rank import LowRankUpdate, apply_updates
+from logra_jax.optim.low_rank import LowRankUpdate, apply_updates, apply_updates_counting_changes
 from logra_jax.optim.predicted_kl import (PredictedKLState, exact_kl, exact_kl_from_hidden,
                                           kl_budget_schedule, make_candidate_kl, make_predict_kl,
                                           predicted_kl_from_tangent, scale_by_predicted_kl)
@@ -32,7 +32,7 @@ from logra_jax.optim.transforms import (clip_by_reconstructed_norm, scale_by_ste
 
 __all__ = [
     "DEFAULT_TARGETS", "LOGRA_STATIC_ARGS", "LowRankUpdate", "PredictedKLState", "RowAdamState",
-    "SketchProbe", "SketchSpec", "TargetInfo", "apply_updates", "clip_by_reconstructed_norm",
+    "SketchProbe", "SketchSpec", "TargetInfo", "apply_updates", "apply_updates_counting_changes", "clip_by_reconstructed_norm",
     "exact_kl", "exact_kl_from_hidden", "kl_budget_schedule", "logra", "logra_metrics",
     "make_candidate_kl", "make_predict_kl", "make_probes",
     "merge_targets", "predicted_kl_from_tangent", "probe_factors", "projection", "projection_keys",

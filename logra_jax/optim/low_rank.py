@@ -107,10 +107,20 @@ class LowRankUpdate:
 
     def merge_into(self, kernel: jax.Array) -> jax.Array:
         """weight_scale·K + ΔK, one layer at a time in place (with donation), in K's dtype."""
+        return self.merge_counting_changes(kernel)[0]
+
+    def merge_counting_changes(self, kernel: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """``merge_into`` and the fraction of K's entries whose stored value changed (fp32 scalar).
+
+        The count is taken layer by layer inside the merge (new ≠ old of one layer block), so it
+        costs one comparison per entry and no copy of the old weights. For bf16 kernels under
+        round-to-nearest it shows how much of an update vanished below half an ulp.
+        """
         _check_kernel(kernel, self)
         if not self.stack_shape:
-            return _merge_one(kernel, self.factor, self.key, self.weight_scale, self.distribution,
-                              self.rounding)
+            merged = _merge_one(kernel, self.factor, self.key, self.weight_scale,
+                                self.distribution, self.rounding)
+            return merged, _changed_fraction(merged, kernel)
         n = math.prod(self.stack_shape)
         kernels = kernel.reshape((n,) + kernel.shape[-2:])
         factors = self.factor.reshape((n,) + self.factor.shape[-2:])
@@ -118,12 +128,15 @@ class LowRankUpdate:
 
         # fori_loop + dynamic_update_slice rewrites the stack's buffer layer by layer; a scan
         # emitting a new stack would hold a second copy of all target weights.
-        def body(i, kernels):
-            layer = jax.lax.dynamic_index_in_dim(kernels, i, keepdims=False)
-            layer = _merge_one(layer, factors[i], keys[i], self.weight_scale, self.distribution,
-                               self.rounding)
-            return jax.lax.dynamic_update_index_in_dim(kernels, layer, i, 0)
-        return jax.lax.fori_loop(0, n, body, kernels).reshape(kernel.shape)
+        def body(i, carry):
+            kernels, changed = carry
+            old = jax.lax.dynamic_index_in_dim(kernels, i, keepdims=False)
+            new = _merge_one(old, factors[i], keys[i], self.weight_scale, self.distribution,
+                             self.rounding)
+            return (jax.lax.dynamic_update_index_in_dim(kernels, new, i, 0),
+                    changed + _changed_fraction(new, old) / n)
+        kernels, changed = jax.lax.fori_loop(0, n, body, (kernels, jnp.zeros((), jnp.float32)))
+        return kernels.reshape(kernel.shape), changed
 
     def __radd__(self, kernel):
         _check_kernel(kernel, self)
@@ -169,6 +182,11 @@ def _merge_one(kernel, u, key, weight_scale, distribution, rounding="nearest"):
                     jax.random.fold_in(key, _ROUNDING_SALT) if rounding == "stochastic" else None)
 
 
+def _changed_fraction(new: jax.Array, old: jax.Array) -> jax.Array:
+    # A mean of 0/1 in fp32: exact enough for a fraction, and no int32 overflow on large layers.
+    return jnp.mean((new != old).astype(jnp.float32))
+
+
 def _is_low_rank(x) -> bool:
     return isinstance(x, LowRankUpdate)
 
@@ -179,13 +197,29 @@ def apply_updates(params, updates):
     Drop-in for ``optax.apply_updates``; jit it with ``donate_argnums=0`` so every target is
     updated in place and no ΔW larger than one layer ever exists.
     """
+    return apply_updates_counting_changes(params, updates)[0]
+
+
+def apply_updates_counting_changes(params, updates):
+    """``apply_updates`` and the fraction of low-rank-updated entries whose stored value changed.
+
+    The fraction is over all entries of all LowRankUpdate targets, weighted by size; NaN when the
+    tree has no LowRankUpdate (a dense optimizer: there is nothing low rank to count).
+    """
+    changed, total = [], []
+
     def add(p, u):
         if p is None or u is None:
             return p
         if isinstance(u, LowRankUpdate):
-            return u.merge_into(p)
+            merged, fraction = u.merge_counting_changes(p)
+            changed.append(fraction * p.size)
+            total.append(p.size)
+            return merged
         return jnp.asarray(p + u).astype(jnp.asarray(p).dtype)
-    return jax.tree.map(add, params, updates, is_leaf=lambda x: x is None)
+    params = jax.tree.map(add, params, updates, is_leaf=lambda x: x is None)
+    fraction = (sum(changed) / sum(total)).astype(jnp.float32) if total else jnp.float32(jnp.nan)
+    return params, fraction
 
 
 def scale_updates(updates, scale: jax.Array):

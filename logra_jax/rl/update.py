@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding
 
-from logra_jax.optim import (LowRankUpdate, SketchSpec, apply_updates, exact_kl_from_hidden,
-                             make_candidate_kl, make_predict_kl, make_probes, merge_targets,
+from logra_jax.optim import (LowRankUpdate, SketchSpec, apply_updates_counting_changes,
+                             exact_kl_from_hidden, make_candidate_kl, make_predict_kl, make_probes, merge_targets,
                              probe_factors, split_targets, update_index, with_factors,
                              with_update_factors)
 from logra_jax.sharding import sketch_shardings
@@ -262,7 +262,11 @@ class PolicyUpdate:
                 # NaN: no completed response this step, nothing observed (the EMA stays).
                 mismatch=jnp.where(mismatch_count > 0, mismatch, jnp.nan))
         updates, opt_state = self.tx.update(grads, opt_state, params, **extra)
-        params = apply_updates(params, updates)
+        params, changed = apply_updates_counting_changes(params, updates)
+        if any(isinstance(u, LowRankUpdate) for _, u in leaves_with_paths(updates)):
+            # Of the target entries, how many stored values this update changed: with bf16 weights
+            # and round-to-nearest, what did not change is the part of the update that was lost.
+            metrics["logra/changed_fraction"] = changed
         metrics["logra/realized_kl"] = exact_kl_from_hidden(
             hidden_old, head_old, self.policy.hidden(params, probe.seqs),
             self.policy.bind(params).head_kernel(), probe.seqs.completion_mask, self.loss.temperature)

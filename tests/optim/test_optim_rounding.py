@@ -84,3 +84,29 @@ def test_a_bf16_merge_rounds_stochastically_with_a_key_of_its_own():
     expected = float(np.mean(np.abs(np.asarray(exact - kernel.astype(jnp.float32))) / ulp))
     assert 0.7 * expected < changed < 1.3 * expected and changed > 0.02, (changed, expected)
     np.testing.assert_array_equal(merge(kernel, "stochastic"), got)
+
+
+def test_the_merge_counts_the_entries_it_changed():
+    """apply_updates_counting_changes on a stacked bf16 target and an fp32 one: the fraction is
+    what a comparison of old and new weights gives (size-weighted over targets), 0 for an update
+    lost to round-to-nearest, and NaN for a tree without low-rank updates."""
+    from logra_jax.optim import LowRankUpdate, apply_updates_counting_changes, projection_keys
+
+    def update(shape_out, rank, scale, path, rounding):
+        factor = scale * jax.random.normal(jax.random.PRNGKey(len(path)), (3,) + (shape_out, rank))
+        keys = jax.vmap(lambda i: projection_keys(5, path, 2 + i))(jnp.arange(3))
+        return LowRankUpdate(factor, keys, jnp.float32(1.0), rounding=rounding)
+
+    params = {"q": (1.0 + 0.01 * jax.random.normal(jax.random.PRNGKey(1), (3, 48, 16))).astype(jnp.bfloat16),
+              "o": jax.random.normal(jax.random.PRNGKey(2), (3, 16, 24)),
+              "norm": jnp.ones((3, 16))}
+    merge = jax.jit(apply_updates_counting_changes)
+    for rounding in ("stochastic", "nearest"):
+        updates = {"q": update(16, 4, 3e-4, "q", rounding), "o": update(24, 4, 1e-7, "o", rounding),
+                   "norm": jnp.zeros((3, 16))}
+        new, fraction = merge(params, updates)
+        changed = sum(float(np.sum(np.asarray(new[k] != params[k]))) for k in ("q", "o"))
+        assert float(fraction) == pytest.approx(changed / (params["q"].size + params["o"].size), rel=1e-6)
+        q_changed = float(np.mean(np.asarray(new["q"] != params["q"])))
+        assert (q_changed == 0.0) if rounding == "nearest" else (q_changed > 0.02), (rounding, q_changed)
+    assert np.isnan(float(merge({"w": jnp.ones(3)}, {"w": jnp.ones(3)})[1]))
