@@ -1,4 +1,5 @@
-"""Logits parity with transformers (CPU torch) for tiny Llama / Qwen2 checkpoints read by from_pretrained."""
+"""Logits parity with transformers (CPU torch) for tiny Llama (3.1) / Qwen2 / Qwen3 / Gemma 3
+checkpoints read by from_pretrained, full forward and KV-cache decoding."""
 
 import copy
 import json
@@ -28,7 +29,10 @@ TEMPLATE = ("{{ bos_token }}{% for m in messages %}"
             "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
             "{% if tools is defined %}{{ tools | tojson }}{% endif %}")
 
-# Two architectures differing in GQA ratio, q/k/v bias, tying, RoPE theta, depth and width.
+LLAMA31_ROPE = dict(rope_type="llama3", rope_theta=5000.0, factor=8.0, low_freq_factor=1.0,
+                    high_freq_factor=4.0, original_max_position_embeddings=64)
+# Architectures differing in GQA ratio, q/k/v bias, q/k norm, tying, RoPE (base, llama3 and linear
+# scaling), head_dim ≠ d/heads, sliding windows shorter than the test sequence, depth and width.
 CONFIGS = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
               dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
@@ -38,6 +42,42 @@ CONFIGS = {
               dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=40, num_hidden_layers=3,
                    num_attention_heads=6, num_key_value_heads=1, rope_theta=1e6, rms_norm_eps=1e-6,
                    tie_word_embeddings=True)),
+    "llama3.1": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
+                 dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=1, head_dim=8, rms_norm_eps=1e-5,
+                      rope_parameters=LLAMA31_ROPE, tie_word_embeddings=False)),
+    "qwen3-tied": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM,
+                   dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
+                        rope_parameters=dict(rope_type="default", rope_theta=1e6),
+                        tie_word_embeddings=True)),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM,
+              dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=40, num_hidden_layers=3,
+                   num_attention_heads=6, num_key_value_heads=1, head_dim=8, rms_norm_eps=1e-6,
+                   tie_word_embeddings=False)),
+    "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM,
+               dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                    query_pre_attn_scalar=24, sliding_window=4,
+                    layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                    rope_parameters={"full_attention": dict(rope_type="linear", factor=4.0,
+                                                            rope_theta=1e5),
+                                     "sliding_attention": dict(rope_type="default", rope_theta=50.0)},
+                    tie_word_embeddings=True, attn_implementation="eager")),
+    "gemma3-untied": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM,
+                      dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=40, num_hidden_layers=2,
+                           num_attention_heads=6, num_key_value_heads=1, head_dim=8,
+                           query_pre_attn_scalar=8, sliding_window=6,
+                           layer_types=["full_attention", "sliding_attention"],
+                           tie_word_embeddings=False, attn_implementation="eager")),
+}
+# What each config's loader must have switched on.
+FEATURES = {  # num_kv_heads, qkv_bias, qk_norm, tied, rope scaling, sliding layers
+    "llama": (2, False, False, False, None, ()), "qwen2": (1, True, False, True, None, ()),
+    "llama3.1": (1, False, False, False, "llama3", ()),
+    "qwen3-tied": (2, False, True, True, None, ()), "qwen3": (1, False, True, False, None, ()),
+    "gemma3": (2, False, True, True, "linear", (True, False, True)),
+    "gemma3-untied": (1, False, True, False, None, (False, True)),
 }
 
 
@@ -108,8 +148,9 @@ def test_logits_match_transformers(checkpoints, tokens, name):
     assert name != "llama" or (folder / "model.safetensors.index.json").is_file()
     model, _ = from_pretrained(folder)
     c = model.config
-    assert (c.num_kv_heads, c.qkv_bias, c.tie_embeddings) == {
-        "llama": (2, False, False), "qwen2": (1, True, True)}[name]
+    sliding = c.sliding_layers if c.layer_types else ()
+    assert (c.num_kv_heads, c.qkv_bias, c.qk_norm, c.tie_embeddings,
+            c.rope_scaling and c.rope_scaling.rope_type, sliding) == FEATURES[name]
     fn, state = forward(model)
     ours = np.asarray(fn(state, tokens))
     ref = torch_logits(torch_model, tokens)
@@ -117,8 +158,11 @@ def test_logits_match_transformers(checkpoints, tokens, name):
     np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=0)
 
 
-def test_cache_prefill_and_decode_match_transformers(checkpoints, tokens):
-    folder, torch_model = checkpoints["qwen2"]
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_cache_prefill_and_decode_match_transformers(checkpoints, tokens, name):
+    """Prefill 6 tokens, then decode one at a time: the logits equal transformers' full forward
+    (so KV-cache decoding equals recompute), across sliding windows shorter than the sequence."""
+    folder, torch_model = checkpoints[name]
     model, _ = from_pretrained(folder)
     fn, state = forward(model)
     logits, cache = fn(state, tokens[:, :6], cache=model.init_cache(2, 16))
@@ -208,6 +252,18 @@ def test_loader_errors_name_the_problem(checkpoints, tmp_path):
         from_pretrained(other_arch)
     (other_arch / "config.json").write_text(json.dumps(dict(config, rope_parameters={"rope_type": "yarn"})))
     with pytest.raises(ValueError, match="rope type 'yarn' is not supported"):
+        from_pretrained(other_arch)
+    (other_arch / "config.json").write_text(json.dumps(dict(config, rope_parameters=dict(
+        LLAMA31_ROPE, partial_rotary_factor=0.5))))
+    with pytest.raises(ValueError, match=r"fields \['partial_rotary_factor'\] of rope type 'llama3'"):
+        from_pretrained(other_arch)
+    for field, value in (("final_logit_softcapping", 30.0), ("hidden_act", "gelu"),
+                         ("use_sliding_window", True)):
+        (other_arch / "config.json").write_text(json.dumps(dict(config, **{field: value})))
+        with pytest.raises(ValueError, match=field if field != "hidden_act" else "activation 'gelu'"):
+            from_pretrained(other_arch)
+    (other_arch / "config.json").write_text(json.dumps(dict(config, model_type="gemma3")))
+    with pytest.raises(ValueError, match="multimodal Gemma 3.*gemma3_text"):
         from_pretrained(other_arch)
 
     no_tokenizer = _copy(folder, tmp_path, "no_tokenizer")

@@ -1,4 +1,4 @@
-"""Read a local Hugging Face Llama / Qwen2 folder into our config, parameter layout and tokenizer.
+"""Read a local Hugging Face Llama / Qwen2 / Qwen3 / Gemma 3 folder into our config, layout and tokenizer.
 
 Layout change: HF stores a linear layer's ``weight`` as (out, in) per layer; we store ``kernel`` =
 weightᵀ (in, out) stacked over layers (L, in, out). Norm ``weight`` → ``scale``, embedding ``weight``
@@ -15,9 +15,10 @@ import ml_dtypes
 import numpy as np
 
 from logra_jax.models.config import ModelConfig
+from logra_jax.models.rope import RopeScaling
 from logra_jax.models.tokenizer import Tokenizer
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "gemma3_text")
 
 # Per-layer HF tensor name (after "model.layers.{i}.") → our stacked path and whether to transpose.
 _LAYER_TENSORS = {
@@ -30,6 +31,14 @@ _LAYER_TENSORS = {
     "mlp.gate_proj.weight": ("layers/mlp/gate_proj/kernel", True),
     "mlp.up_proj.weight": ("layers/mlp/up_proj/kernel", True),
     "mlp.down_proj.weight": ("layers/mlp/down_proj/kernel", True),
+}
+_QK_NORM_TENSORS = {
+    "self_attn.q_norm.weight": ("layers/self_attn/q_norm/scale", False),
+    "self_attn.k_norm.weight": ("layers/self_attn/k_norm/scale", False),
+}
+_SANDWICH_TENSORS = {
+    "pre_feedforward_layernorm.weight": ("layers/pre_feedforward_layernorm/scale", False),
+    "post_feedforward_layernorm.weight": ("layers/post_feedforward_layernorm/scale", False),
 }
 _BIAS_TENSORS = {
     "self_attn.q_proj.bias": ("layers/self_attn/q_proj/bias", False),
@@ -88,38 +97,115 @@ def _safetensors_files(folder: pathlib.Path) -> list[pathlib.Path]:
     return files
 
 
+# The keys each RoPE type reads from a rope_parameters / rope_scaling dict; others are errors.
+_ROPE_KEYS = {"default": set(), "linear": {"factor"},
+              "llama3": {"factor", "low_freq_factor", "high_freq_factor",
+                         "original_max_position_embeddings"}}
+_ROPE_COMMON_KEYS = {"rope_type", "type", "rope_theta"}
+
+
+def _rope(params: dict, where: str, default_theta: float) -> tuple[float, RopeScaling | None]:
+    """(θ, scaling) from a Hugging Face RoPE dict; a type or field we do not implement is an error."""
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in _ROPE_KEYS:
+        raise ValueError(f"config.json {where}: rope type {rope_type!r} is not supported "
+                         f"(supported: {sorted(_ROPE_KEYS)})")
+    unknown = sorted(set(params) - _ROPE_KEYS[rope_type] - _ROPE_COMMON_KEYS)
+    if unknown:
+        raise ValueError(f"config.json {where}: fields {unknown} of rope type {rope_type!r} are not "
+                         "implemented")
+    theta = float(params.get("rope_theta", default_theta))
+    if rope_type == "default":
+        return theta, None
+    missing = sorted(_ROPE_KEYS[rope_type] - set(params))
+    if missing:
+        raise ValueError(f"config.json {where}: rope type {rope_type!r} needs {missing}")
+    return theta, RopeScaling(rope_type, **{k: params[k] for k in _ROPE_KEYS[rope_type]})
+
+
+def _require(hf: dict, field: str, allowed, why: str):
+    if hf.get(field) not in allowed:
+        raise ValueError(f"config.json {field}={hf.get(field)!r} is not supported ({why})")
+
+
 def config_from_hf(hf: dict, **overrides) -> ModelConfig:
-    """ModelConfig from a parsed config.json; unsupported architecture features are errors."""
+    """ModelConfig from a parsed config.json; unsupported architecture features are errors that
+    name the field (never a silent fallback to something else)."""
     model_type = hf.get("model_type")
+    if model_type == "gemma3":
+        raise ValueError("config.json model_type 'gemma3' is the multimodal Gemma 3 checkpoint; load "
+                         "its text model: a folder with text_config as config.json (model_type "
+                         "'gemma3_text') and the language model's tensors")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"config.json model_type {model_type!r} is not supported; "
                          f"supported: {SUPPORTED_MODEL_TYPES}")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"config.json hidden_act {hf['hidden_act']!r} is not supported (only silu)")
-    if hf.get("mlp_bias"):
-        raise ValueError("config.json mlp_bias=true is not supported")
-    if model_type == "llama" and hf.get("attention_bias"):
-        raise ValueError("config.json attention_bias=true (which also biases o_proj) is not supported")
-    if hf.get("use_sliding_window"):
-        raise ValueError("config.json use_sliding_window=true is not supported")
-    # transformers ≥ 5 writes rope_parameters; older files have rope_theta + rope_scaling.
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise ValueError(f"config.json rope type {rope_type!r} is not supported (only default RoPE)")
-    rope_theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+    gemma = model_type == "gemma3_text"
+    activation = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
+    expected = "gelu_pytorch_tanh" if gemma else "silu"
+    if activation != expected:
+        raise ValueError(f"config.json hidden activation {activation!r} is not supported for "
+                         f"{model_type} (only {expected})")
+    _require(hf, "mlp_bias", (None, False), "no MLP biases")
+    if model_type != "qwen2":  # Qwen2's q/k/v bias is implied; the others' attention_bias adds o_proj's
+        _require(hf, "attention_bias", (None, False), "it also biases o_proj")
+    _require(hf, "use_sliding_window", (None, False), "sliding windows only for Gemma 3's layer_types")
+    for field in ("final_logit_softcapping", "attn_logit_softcapping"):
+        _require(hf, field, (None,), "no logit soft-capping in this decoder")
+    _require(hf, "use_bidirectional_attention", (None, False), "causal attention only")
+    # transformers ≥ 5 writes rope_parameters (per layer type for Gemma 3); older files have
+    # rope_theta + rope_scaling (+ rope_local_base_freq for Gemma 3).
+    rope = hf.get("rope_parameters") or {}
+    legacy = dict(hf.get("rope_scaling") or {}, **({"rope_theta": hf["rope_theta"]} if "rope_theta" in hf else {}))
+    values = {}
+    if gemma:
+        full = rope.get("full_attention") if "full_attention" in rope else (rope or legacy)
+        theta, scaling = _rope(full, "rope (full attention layers)", 1e6)
+        local_params = rope.get("sliding_attention") or {
+            "rope_theta": hf.get("rope_local_base_freq", 1e4)}
+        local_theta, local_scaling = _rope(local_params, "rope (sliding attention layers)", 1e4)
+        if local_scaling is not None:
+            raise ValueError("config.json rope (sliding attention layers): a rope scaling on the "
+                             "sliding layers is not implemented")
+        layer_types = hf.get("layer_types")
+        if layer_types is None:
+            pattern = hf.get("sliding_window_pattern", 6)
+            layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                           for i in range(hf["num_hidden_layers"])]
+        names = {"sliding_attention": "sliding", "full_attention": "full"}
+        unknown = sorted(set(layer_types) - set(names))
+        if unknown:
+            raise ValueError(f"config.json layer_types {unknown} are not supported ({sorted(names)})")
+        values.update(qk_norm=True, mlp_activation="gelu_tanh", norm_unit_offset=True,
+                      sandwich_norms=True, embed_scale=True,
+                      query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)),
+                      layer_types=tuple(names[t] for t in layer_types),
+                      sliding_window=hf.get("sliding_window"), rope_local_theta=local_theta)
+    else:
+        layer_types = set(hf.get("layer_types") or ["full_attention"])
+        if layer_types != {"full_attention"}:
+            raise ValueError(f"config.json layer_types {sorted(layer_types)} are not supported for "
+                             f"{model_type} (only full_attention)")
+        theta, scaling = _rope(rope or legacy, "rope", 10000.0)
     num_heads = hf["num_attention_heads"]
-    values = dict(
+    values.update(
         vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
         num_heads=num_heads, num_kv_heads=hf.get("num_key_value_heads") or num_heads,
         head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
-        intermediate_size=hf["intermediate_size"], rope_theta=float(rope_theta),
+        intermediate_size=hf["intermediate_size"], rope_theta=theta, rope_scaling=scaling,
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), qkv_bias=(model_type == "qwen2"),
-        # Both LlamaConfig and Qwen2Config default to untied embeddings.
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qk_norm=model_type in ("qwen3", "gemma3_text"),
+        # Llama, Qwen2 and Qwen3 configs default to untied embeddings, Gemma 3 to tied.
+        tie_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
         max_position_embeddings=hf.get("max_position_embeddings", 2048))
     values.update(overrides)
     return ModelConfig(**values)
+
+
+def layer_tensors(c: ModelConfig) -> dict[str, tuple[str, bool]]:
+    """{HF per-layer tensor name: (our stacked path, transposed?)} for this config's features."""
+    return dict(_LAYER_TENSORS, **(_BIAS_TENSORS if c.qkv_bias else {}),
+                **(_QK_NORM_TENSORS if c.qk_norm else {}),
+                **(_SANDWICH_TENSORS if c.sandwich_norms else {}))
 
 
 def read_hf_folder(folder: str | pathlib.Path, **overrides) -> tuple[ModelConfig, dict[str, np.ndarray], Tokenizer]:
@@ -159,8 +245,11 @@ def read_hf_folder(folder: str | pathlib.Path, **overrides) -> tuple[ModelConfig
         "mlp.down_proj.weight": (c.hidden_size, c.intermediate_size),
         "self_attn.q_proj.bias": (q_dim,), "self_attn.k_proj.bias": (kv_dim,),
         "self_attn.v_proj.bias": (kv_dim,),
+        "self_attn.q_norm.weight": (c.head_dim,), "self_attn.k_norm.weight": (c.head_dim,),
+        "pre_feedforward_layernorm.weight": (c.hidden_size,),
+        "post_feedforward_layernorm.weight": (c.hidden_size,),
     }
-    per_layer = dict(_LAYER_TENSORS, **(_BIAS_TENSORS if c.qkv_bias else {}))
+    per_layer = layer_tensors(c)
     weights: dict[str, np.ndarray] = {
         "embed_tokens/embedding": take("model.embed_tokens.weight", (c.vocab_size, c.hidden_size)),
         "norm/scale": take("model.norm.weight", (c.hidden_size,)),

@@ -1,13 +1,23 @@
-"""Llama-family decoder (SmolLM2, Llama, Qwen2) in Flax NNX, with a scanned layer stack.
+"""Our decoder family (SmolLM2, Llama 3.1, Qwen2, Qwen3, Gemma 3) in Flax NNX, with a scanned layer stack.
 
-    h   = x + Attn(RMSNorm(x))          Attn: RoPE, grouped-query heads, causal + padding mask
-    out = h + MLP(RMSNorm(h))           MLP(x) = down(silu(gate(x)) ⊙ up(x))   (SwiGLU)
-    logits = RMSNorm(x_L) · W_head      W_head = embeddingᵀ when tied
+    Llama / Qwen:   h   = x + Attn(RMSNorm(x))             out = h + MLP(RMSNorm(h))
+    Gemma 3:        h   = x + RMSNorm(Attn(RMSNorm(x)))    out = h + RMSNorm(MLP(RMSNorm(h)))
+    Attn: RoPE (rope.py), grouped-query heads, causal + padding mask; Qwen3/Gemma 3 RMS-normalise
+          every query and key head first; Gemma 3's "sliding" layers see only the last W tokens.
+    MLP(x) = down(act(gate(x)) ⊙ up(x))       act = silu (SwiGLU) or tanh-GELU (Gemma's GeGLU)
+    logits = RMSNorm(x_L) · W_head            W_head = embeddingᵀ when tied
 
 All per-layer parameters are stacked along a leading layer axis (``layers/self_attn/q_proj/kernel``
 has shape (L, in, out)) and the layer body runs under ``jax.lax.scan``, so compile time does not grow
-with depth. Parameter names follow Hugging Face (``embed_tokens``, ``self_attn.q_proj`` ...) with
-Flax leaf names (``kernel`` (in, out), ``bias``, ``embedding``, ``scale``).
+with depth. A layer's type (full or sliding) is a scanned boolean that picks its mask and RoPE
+frequencies, so mixed stacks still scan. Parameter names follow Hugging Face (``embed_tokens``,
+``self_attn.q_proj``, ``pre_feedforward_layernorm`` ...) with Flax leaf names (``kernel`` (in, out),
+``bias``, ``embedding``, ``scale``).
+
+The KV cache holds every slot for every layer, sliding ones included: one cache stack of one
+shape is what lets the layers scan. A window-sized ring buffer for Gemma's sliding layers would
+need a second stack and a scan over (5 local + 1 global) groups; at Gemma-3-27B with 2048-token
+rollouts and a 1024-token window it would save 52/62 · ½ of the KV cache. Not done yet.
 """
 
 from __future__ import annotations
@@ -16,11 +26,13 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from logra_jax.models.config import ModelConfig
 from logra_jax.models.kv_cache import KVCache
 from logra_jax.models.linear import Linear
+from logra_jax.models.rope import apply_rotary, inverse_frequencies, rotary_cos_sin
 from logra_jax.projections import SketchProbe
 from logra_jax.sharding import get_logical_axes, set_logical_axes, shard_batch
 
@@ -50,58 +62,56 @@ def _linear(in_features: int, out_features: int, axes: tuple[str, str], config: 
 
 
 class RMSNorm(nnx.Module):
-    """y = x / sqrt(mean(x²) + ε) ⊙ scale, normalised in fp32 and cast back (as Hugging Face does)."""
+    """y = x / sqrt(mean(x²) + ε) ⊙ scale, normalised in fp32 and cast back (as Hugging Face does).
 
-    def __init__(self, dim: int, *, eps: float, dtype, param_dtype):
+    With ``unit_offset`` (Gemma) the stored weight w is zero-centred: y = x̂ ⊙ (1 + w), multiplied
+    in fp32 before the cast, as Gemma's reference does.
+    """
+
+    def __init__(self, dim: int, *, eps: float, dtype, param_dtype, unit_offset: bool = False):
         self.eps = eps
         self.dtype = dtype
-        self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
+        self.unit_offset = unit_offset
+        self.scale = nnx.Param((jnp.zeros if unit_offset else jnp.ones)((dim,), param_dtype))
         set_logical_axes(self.scale, ("norm",))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.unit_offset:
+            return (normed * (1.0 + self.scale[...].astype(jnp.float32))).astype(self.dtype)
         return self.scale[...].astype(self.dtype) * normed.astype(self.dtype)
+
+
+def _norm(dim: int, config: ModelConfig) -> RMSNorm:
+    return RMSNorm(dim, eps=config.rms_norm_eps, dtype=config.compute_dtype,
+                   param_dtype=config.weight_dtype, unit_offset=config.norm_unit_offset)
 
 
 class Embedding(nnx.Module):
     """Token embedding table (vocab, d); also the output head when embeddings are tied."""
 
-    def __init__(self, vocab_size: int, dim: int, *, dtype, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, vocab_size: int, dim: int, *, dtype, param_dtype, rngs: nnx.Rngs,
+                 scale: bool = False):
         self.dtype = dtype
         self.embedding = nnx.Param(
             nnx.initializers.normal(_INIT_STD)(rngs.params(), (vocab_size, dim), param_dtype))
         set_logical_axes(self.embedding, ("vocab", "embed"))
+        # Gemma multiplies by √d rounded to the weights' dtype (√3072 is 55.5 in bf16), as its
+        # reference does; the head (tied) uses the table unscaled.
+        self.multiplier = float(np.asarray(math.sqrt(dim), param_dtype)) if scale else None
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
-        return jnp.take(self.embedding[...], tokens, axis=0).astype(self.dtype)
+        x = jnp.take(self.embedding[...], tokens, axis=0).astype(self.dtype)
+        return x if self.multiplier is None else x * jnp.asarray(self.multiplier, self.dtype)
 
 
-def rotary_cos_sin(positions: jax.Array, head_dim: int, theta: float, dtype) -> tuple[jax.Array, jax.Array]:
-    """cos/sin [b, t, head_dim] of RoPE angles pos·θ^(−2i/d), each frequency repeated for both halves.
+def grouped_query_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
+                            scale: float | None = None) -> jax.Array:
+    """softmax(q·kᵀ·scale + mask)·v where query head h reads key/value head h // (H / KV).
 
-    Computed in fp32 (angles of long positions lose precision in bf16) and then cast.
-    """
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq
-    angles = jnp.concatenate([angles, angles], axis=-1)
-    return jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
-
-
-def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """RoPE in the Hugging Face "rotate_half" layout: x·cos + [−x₂, x₁]·sin, x = [x₁, x₂] halves.
-
-    x: [b, t, heads, head_dim]; cos, sin: [b, t, head_dim].
-    """
-    x1, x2 = jnp.split(x, 2, axis=-1)
-    rotated = jnp.concatenate([-x2, x1], axis=-1)
-    return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
-
-
-def grouped_query_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """softmax(q·kᵀ/√d + mask)·v where query head h reads key/value head h // (H / KV).
-
-    q: [b, t, H, d]; k, v: [b, S, KV, d]; mask: bool [b, t, S] (True = may attend).
+    q: [b, t, H, d]; k, v: [b, S, KV, d]; mask: bool [b, t, S] (True = may attend); scale
+    defaults to 1/√d.
     Scores and softmax are fp32. A fully masked row (a padding query) gets uniform weights rather
     than NaN: its output is garbage but finite, and callers mask it out of every loss.
     """
@@ -109,7 +119,7 @@ def grouped_query_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.
     num_kv = k.shape[2]
     q = q.reshape(b, t, num_kv, num_heads // num_kv, head_dim)
     scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
-    scores = scores / math.sqrt(head_dim)
+    scores = scores / math.sqrt(head_dim) if scale is None else scores * scale
     scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
     weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", weights, v)
@@ -129,6 +139,9 @@ class Attention(nnx.Module):
                               use_bias=c.qkv_bias, rngs=rngs)
         self.o_proj = _linear(q_dim, c.hidden_size, LAYER_LINEARS["layers/self_attn/o_proj/kernel"], c,
                               rngs=rngs)
+        self.q_norm = _norm(c.head_dim, c) if c.qk_norm else None
+        self.k_norm = _norm(c.head_dim, c) if c.qk_norm else None
+        self.scale = (None if c.query_pre_attn_scalar is None else c.query_pre_attn_scalar ** -0.5)
 
     def __call__(self, x, cos, sin, mask, probes: dict[str, SketchProbe], kv, write_index):
         """Returns (output, (k, v) of the whole cache after writing this chunk, or None)."""
@@ -136,6 +149,8 @@ class Attention(nnx.Module):
         q = self.q_proj(x, probes.get("q_proj")).reshape(b, t, self.num_heads, self.head_dim)
         k = self.k_proj(x, probes.get("k_proj")).reshape(b, t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x, probes.get("v_proj")).reshape(b, t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:   # per head, over head_dim, before the rotation
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         new_kv = None
         if kv is not None:
@@ -144,7 +159,7 @@ class Attention(nnx.Module):
             k = jax.lax.dynamic_update_slice(cache_k, k.astype(cache_k.dtype), start)
             v = jax.lax.dynamic_update_slice(cache_v, v.astype(cache_v.dtype), start)
             new_kv = (k, v)
-        out = grouped_query_attention(q, k, v, mask)
+        out = grouped_query_attention(q, k, v, mask, self.scale)
         return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim), probes.get("o_proj")), new_kv
 
 
@@ -157,31 +172,48 @@ class MLP(nnx.Module):
                                LAYER_LINEARS["layers/mlp/up_proj/kernel"], c, rngs=rngs)
         self.down_proj = _linear(c.intermediate_size, c.hidden_size,
                                  LAYER_LINEARS["layers/mlp/down_proj/kernel"], c, rngs=rngs)
+        self.activation = _ACTIVATIONS[c.mlp_activation]
 
     def __call__(self, x, probes: dict[str, SketchProbe]):
         gate = self.gate_proj(x, probes.get("gate_proj"))
         up = self.up_proj(x, probes.get("up_proj"))
-        return self.down_proj(jax.nn.silu(gate) * up, probes.get("down_proj"))
+        return self.down_proj(self.activation(gate) * up, probes.get("down_proj"))
+
+
+_ACTIVATIONS = {"silu": jax.nn.silu,
+                "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}   # torch's gelu(tanh)
 
 
 class Block(nnx.Module):
-    """One pre-norm transformer layer; the Decoder holds all L of them stacked."""
+    """One pre-norm transformer layer (with sandwich norms for Gemma); the Decoder stacks L of them.
+
+    Names are Hugging Face's: for Llama ``post_attention_layernorm`` is the norm *before* the MLP;
+    with ``sandwich_norms`` it normalises the attention output, and the MLP sits between
+    ``pre_feedforward_layernorm`` and ``post_feedforward_layernorm``.
+    """
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         c = config
-        norm = dict(eps=c.rms_norm_eps, dtype=c.compute_dtype, param_dtype=c.weight_dtype)
-        self.input_layernorm = RMSNorm(c.hidden_size, **norm)
+        self.input_layernorm = _norm(c.hidden_size, c)
         self.self_attn = Attention(c, rngs=rngs)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, **norm)
+        self.post_attention_layernorm = _norm(c.hidden_size, c)
         self.mlp = MLP(c, rngs=rngs)
+        self.sandwich = c.sandwich_norms
+        if c.sandwich_norms:
+            self.pre_feedforward_layernorm = _norm(c.hidden_size, c)
+            self.post_feedforward_layernorm = _norm(c.hidden_size, c)
 
     def __call__(self, x, cos, sin, mask, probes: dict[str, SketchProbe], kv, write_index):
         attn_probes = {k.split("/")[1]: p for k, p in probes.items() if k.startswith("self_attn/")}
         mlp_probes = {k.split("/")[1]: p for k, p in probes.items() if k.startswith("mlp/")}
         attn_out, new_kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, attn_probes, kv,
                                           write_index)
-        h = x + attn_out
-        return h + self.mlp(self.post_attention_layernorm(h), mlp_probes), new_kv
+        if not self.sandwich:
+            h = x + attn_out
+            return h + self.mlp(self.post_attention_layernorm(h), mlp_probes), new_kv
+        h = x + self.post_attention_layernorm(attn_out)
+        mlp_out = self.mlp(self.pre_feedforward_layernorm(h), mlp_probes)
+        return h + self.post_feedforward_layernorm(mlp_out), new_kv
 
 
 class Decoder(nnx.Module):
@@ -192,7 +224,7 @@ class Decoder(nnx.Module):
             raise ValueError(f"Decoder needs a ModelConfig, got {type(config).__name__}")
         c = self.config = config
         self.embed_tokens = Embedding(c.vocab_size, c.hidden_size, dtype=c.compute_dtype,
-                                      param_dtype=c.weight_dtype, rngs=rngs)
+                                      param_dtype=c.weight_dtype, rngs=rngs, scale=c.embed_scale)
 
         @nnx.split_rngs(splits=c.num_layers)
         @nnx.vmap(in_axes=(0,), out_axes=0)
@@ -204,8 +236,7 @@ class Decoder(nnx.Module):
         for _, node in nnx.iter_graph(self.layers):
             if isinstance(node, nnx.Variable) and get_logical_axes(node) is not None:
                 set_logical_axes(node, ("layers",) + get_logical_axes(node))
-        self.norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, dtype=c.compute_dtype,
-                            param_dtype=c.weight_dtype)
+        self.norm = _norm(c.hidden_size, c)
         self.lm_head = (None if c.tie_embeddings else
                         _linear(c.hidden_size, c.vocab_size, ("embed", "vocab"), c, rngs=rngs))
 
@@ -280,8 +311,8 @@ class Decoder(nnx.Module):
             raise ValueError(f"positions shape {positions.shape} != tokens shape {(b, t)}")
 
         if cache is None:
-            causal = jnp.tril(jnp.ones((t, t), bool))
-            mask = causal[None] & segment_mask[:, None, :]
+            query_slot = key_slot = jnp.arange(t)
+            mask = (key_slot[None, :] <= query_slot[:, None])[None] & segment_mask[:, None, :]
             kv_stack, new_mask = None, None
         else:
             if cache.batch_size != b:
@@ -298,18 +329,30 @@ class Decoder(nnx.Module):
             kv_stack = (cache.k, cache.v)
 
         x = shard_batch(self.embed_tokens(tokens))
-        cos, sin = rotary_cos_sin(positions, c.head_dim, c.rope_theta, c.compute_dtype)
+        cos, sin = rotary_cos_sin(positions, inverse_frequencies(c.head_dim, c.rope_theta, c.rope_scaling),
+                                  c.compute_dtype)
         graphdef, layer_params = nnx.split(self.layers)
+        sliding = jnp.asarray(c.sliding_layers)
+        if any(c.sliding_layers):
+            # Sliding layers: key slot j is visible from query slot i when i − W < j ≤ i (as
+            # Hugging Face's sliding_window_overlay), and they rotate with their own RoPE base.
+            window = key_slot[None, :] > query_slot[:, None] - c.sliding_window
+            local_rope = rotary_cos_sin(positions, inverse_frequencies(
+                c.head_dim, c.rope_local_theta or c.rope_theta), c.compute_dtype)
 
         def layer(h, per_layer):
-            params, probes_l, kv_l = per_layer
+            params, probes_l, kv_l, sliding_l = per_layer
             block = nnx.merge(graphdef, params)
-            return block(shard_batch(h), cos, sin, mask, probes_l, kv_l, offset)
+            cos_l, sin_l, mask_l = cos, sin, mask
+            if any(c.sliding_layers):
+                cos_l, sin_l = (jnp.where(sliding_l, a, b) for a, b in zip(local_rope, (cos, sin)))
+                mask_l = mask & (window[None] | ~sliding_l)
+            return block(shard_batch(h), cos_l, sin_l, mask_l, probes_l, kv_l, offset)
 
         if c.remat:
             # Backward recomputes each layer from its input instead of keeping its activations.
             layer = jax.checkpoint(layer, prevent_cse=False)
-        x, new_kv = jax.lax.scan(layer, x, (layer_params, layer_probes, kv_stack))
+        x, new_kv = jax.lax.scan(layer, x, (layer_params, layer_probes, kv_stack, sliding))
         x = self.norm(x)
         out = x if return_hidden else self.logits(x)
         if cache is None:
