@@ -275,3 +275,23 @@ def test_loader_errors_name_the_problem(checkpoints, tmp_path):
         from_pretrained(tmp_path)
     with pytest.raises(ValueError, match="unknown model source 'gpt-17'"):
         from_pretrained("gpt-17")
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_export_round_trip(checkpoints, tokens, name, tmp_path):
+    """Loaded, exported by write_hf_folder, loaded again by transformers as the same class: the
+    logits equal the original torch model's; our loader reads the export back to the same config."""
+    from logra_jax.models.hf_export import write_hf_folder
+    from logra_jax.tree_paths import leaves_with_paths
+
+    folder, torch_model = checkpoints[name]
+    model, tokenizer = from_pretrained(folder)
+    weights = {p: np.asarray(v) for p, v in leaves_with_paths(nnx.to_pure_dict(nnx.state(model, nnx.Param)))}
+    out = write_hf_folder(model.config, weights, tokenizer, tmp_path / "hf")
+    again = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+    assert type(again) is type(torch_model)
+    np.testing.assert_allclose(torch_logits(again, tokens), torch_logits(torch_model, tokens), atol=1e-5, rtol=0)
+    back, _ = from_pretrained(out)
+    assert back.config == model.config
+    with pytest.raises(FileExistsError, match="not empty"):
+        write_hf_folder(model.config, weights, tokenizer, out)

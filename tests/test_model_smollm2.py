@@ -90,43 +90,37 @@ def test_rotary_layout_undone_like_transformers_does(smollm2):
             np.testing.assert_array_equal(np.asarray(ours[...][layer]), theirs.T, err_msg=name)
 
 
-def test_logits_match_transformers_llama_holding_the_same_weights(smollm2, paragraph):
+def test_export_is_a_llama_folder_transformers_loads_with_the_same_logits(smollm2, paragraph, tmp_path):
+    """The GGUF model exported by write_hf_folder: transformers reads it as a Llama and computes
+    our logits; our own HF loader reads back the same bits; the tokenizer files encode alike."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    model = smollm2[0]
-    c = model.config
-    config = transformers.LlamaConfig(
-        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
-        head_dim=c.head_dim, rope_theta=c.rope_theta, rms_norm_eps=c.rms_norm_eps, tie_word_embeddings=True,
-        max_position_embeddings=c.max_position_embeddings)
-    from transformers.initialization import no_init_weights
+    from logra_jax.models.hf_export import write_hf_folder
+    from logra_jax.tree_paths import leaves_with_paths
 
-    with no_init_weights():  # every weight is overwritten below; random init would cost seconds
-        reference = transformers.LlamaForCausalLM(config).eval()
-    state_dict = {"model.embed_tokens.weight": model.embed_tokens.embedding[...],
-                  "model.norm.weight": model.norm.scale[...]}
-    for path in ("input_layernorm/scale", "post_attention_layernorm/scale", "self_attn/q_proj/kernel",
-                 "self_attn/k_proj/kernel", "self_attn/v_proj/kernel", "self_attn/o_proj/kernel",
-                 "mlp/gate_proj/kernel", "mlp/up_proj/kernel", "mlp/down_proj/kernel"):
-        node = model.layers
-        for name in path.split("/"):
-            node = getattr(node, name)
-        stacked = np.asarray(node[...])
-        module = path.rsplit("/", 1)[0].replace("/", ".")
-        for layer in range(c.num_layers):
-            state_dict[f"model.layers.{layer}.{module}.weight"] = (
-                stacked[layer].T if path.endswith("kernel") else stacked[layer])
-    state_dict = {k: torch.from_numpy(np.array(v)) for k, v in state_dict.items()}
-    missing, unexpected = reference.load_state_dict(state_dict, strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied to the embedding
-    reference.tie_weights()
+    model, tokenizer = smollm2[0], smollm2[1]
+    weights = {p: np.asarray(v) for p, v in leaves_with_paths(nnx.to_pure_dict(nnx.state(model, nnx.Param)))}
+    folder = write_hf_folder(model.config, weights, tokenizer, tmp_path / "hf", max_shard_bytes=2 ** 28)
+    assert (folder / "model.safetensors.index.json").is_file()   # 540 MB in fp32: sharded
 
+    reference = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    assert type(reference).__name__ == "LlamaForCausalLM"
     tokens, ours = paragraph
     prefix = 32  # causal: our full-paragraph logits restricted to a prefix; keeps torch's CPU forward short
     with torch.no_grad():
         ref = reference(torch.tensor(tokens[:, :prefix], dtype=torch.long)).logits.numpy()
     np.testing.assert_allclose(ours[:, :prefix], ref, atol=1e-3, rtol=0)
+
+    back, back_tokenizer = from_pretrained(folder)
+    assert back.config == model.config
+    for path, value in leaves_with_paths(nnx.to_pure_dict(nnx.state(back, nnx.Param))):
+        np.testing.assert_array_equal(np.asarray(value), weights[path], err_msg=path)
+    hf_tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(folder)
+    assert hf_tokenizer(PARAGRAPH, add_special_tokens=False)["input_ids"] == tokenizer.encode(PARAGRAPH)
+    messages = [{"role": "user", "content": "What is 2 + 3?"}]
+    assert back_tokenizer.apply_chat_template(messages) == tokenizer.apply_chat_template(messages)
+    assert (back_tokenizer.bos_id, back_tokenizer.eos_id, back_tokenizer.stop_ids) == (
+        tokenizer.bos_id, tokenizer.eos_id, tokenizer.stop_ids)
 
 
 def test_perplexity_on_plain_english(paragraph):

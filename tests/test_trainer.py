@@ -354,3 +354,31 @@ def test_bf16_weights_train_resume_and_sync_bit_exact(name, tmp_path):
         run.close()
     for path, value in _flat(run.params).items():
         np.testing.assert_array_equal(value, end[path], err_msg=path)
+
+
+ARCHITECTURES = {  # model.tiny features of the families beyond Llama (configs/base.py's tiny shape)
+    "qwen3": dict(qk_norm=True),
+    "gemma3": dict(qk_norm=True, mlp_activation="gelu_tanh", norm_unit_offset=True, sandwich_norms=True,
+                   embed_scale=True, query_pre_attn_scalar=24.0, layer_types=("sliding", "full"),
+                   sliding_window=16, rope_local_theta=100.0),
+}
+
+
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_a_grpo_step_on_the_newer_architectures(arch):
+    """LoGRA's sketch probes and the sampler on Qwen3's q/k norms and Gemma 3's layer (sliding
+    windows shorter than the rollout, sandwich norms): a real rollout and one GRPO update with
+    random advantages change every parameter, and the predicted and realized KL are finite."""
+    config = make_config("logra-grpo", rl=dict(algorithm="grpo"), model=dict(tiny=ARCHITECTURES[arch]))
+    t = trainer_lib.Trainer(config)
+    params, opt_state = t.init_state()
+    before = _flat(params)
+    if arch == "gemma3":
+        assert "layers/pre_feedforward_layernorm/scale" in before and t.policy.bind(params).config.sliding_window
+    assert "layers/self_attn/q_norm/scale" in before
+    params, opt_state, m = t.update(params, opt_state, _synthetic_batch(t))
+    unchanged = [p for p, v in _flat(params).items() if np.array_equal(v, before[p])]
+    assert not unchanged, unchanged
+    predicted = jax.device_get(trainer_lib.logra_metrics(opt_state))["logra/predicted_kl"]
+    assert np.isfinite(predicted) and predicted > 0, predicted
+    assert np.isfinite(m["logra/realized_kl"]) and m["logra/realized_kl"] > 0

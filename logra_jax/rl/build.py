@@ -120,8 +120,9 @@ def build_mesh(axes, devices=None, *, spare_devices: bool = False) -> Mesh:
     return sharding_lib.make_mesh(sizes, devices=devices)
 
 
-def build_model(cfg: ml_collections.ConfigDict, mesh: Mesh):
-    """(model, tokenizer). ``source="tiny"`` is a random small decoder with SmolLM2's tokenizer."""
+def build_model(cfg: ml_collections.ConfigDict, mesh: Mesh | None):
+    """(model, tokenizer). ``source="tiny"`` is a random small decoder with SmolLM2's tokenizer.
+    Without a mesh the weights stay on the default device (export, tools)."""
     if model_shapes.is_shape_source(cfg.source):
         raise ValueError(f"model.source={cfg.source!r} is a model shape without weights, for "
                          "`python -m launch.memory`; to train, set model.source to a local Hugging "
@@ -132,7 +133,7 @@ def build_model(cfg: ml_collections.ConfigDict, mesh: Mesh):
         model_config = ModelConfig(vocab_size=tokenizer.vocab_size, dtype=cfg.dtype,
                                    param_dtype=cfg.param_dtype, remat=cfg.remat, **dict(cfg.tiny))
         model = Decoder(model_config, rngs=nnx.Rngs(cfg.init_seed))
-        return sharding_lib.shard_model(model, mesh), tokenizer
+        return (model if mesh is None else sharding_lib.shard_model(model, mesh)), tokenizer
     return from_pretrained(cfg.source, mesh=mesh, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
                            remat=cfg.remat)
 

@@ -1,0 +1,63 @@
+"""launch.export: a trained run's checkpoint as a Hugging Face folder that transformers loads."""
+
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from configs import tiny
+from logra_jax.export import export_run
+from logra_jax.rl import trainer as trainer_lib
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def trained(shipped_tiny_trainer, tmp_path_factory):
+    """configs/tiny.py trained 2 steps (checkpoints at steps 2 only: every=2)."""
+    workdir = tmp_path_factory.mktemp("run")
+    config = tiny.get_config()
+    config.max_steps = 2
+    run = trainer_lib.Run(config, workdir, trainer=shipped_tiny_trainer)
+    run.loop()
+    run.close()
+    return workdir, run, shipped_tiny_trainer
+
+
+def test_an_exported_run_gives_transformers_our_logits(trained, tmp_path):
+    workdir, run, trainer = trained
+    out, step = export_run(workdir, tmp_path / "hf")
+    assert step == 2 and {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+                          "generation_config.json"} <= {p.name for p in out.iterdir()}
+    reference = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    tokens = np.random.default_rng(0).integers(0, trainer.tokenizer.vocab_size, (2, 12)).astype(np.int32)
+    ours = np.asarray(jax.jit(lambda p, t: trainer.policy.bind(p)(t))(run.params, tokens))
+    initial = np.asarray(jax.jit(lambda p, t: trainer.policy.bind(p)(t))(trainer.initial_params, tokens))
+    assert np.abs(ours - initial).max() > 1e-3     # the export holds the trained weights, not the start
+    with torch.no_grad():
+        theirs = reference(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+    np.testing.assert_allclose(theirs, ours, atol=1e-4, rtol=0)
+
+    with pytest.raises(ValueError, match="no checkpoint of step 1; it has \\[2\\]"):
+        export_run(workdir, tmp_path / "other", step=1)
+    with pytest.raises(FileExistsError, match="not empty"):
+        export_run(workdir, out)
+
+
+def test_the_command_line(trained, tmp_path):
+    workdir = trained[0]
+    cmd = [sys.executable, "-m", "launch.export", "--workdir", str(workdir)]
+    done = subprocess.run(cmd + ["--out", str(tmp_path / "hf"), "--dtype", "bfloat16"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert f"exported step 2 of {workdir}" in done.stdout
+    assert '"BF16"' in (tmp_path / "hf" / "model.safetensors").read_bytes()[:4096].decode("latin-1")
+    bad = subprocess.run(cmd + ["--out", str(tmp_path / "x"), "--step", "7"], capture_output=True,
+                         text=True, timeout=300)
+    assert bad.returncode == 1 and bad.stderr.strip().splitlines()[-1].startswith(
+        "error: ") and "no checkpoint of step 7" in bad.stderr
+    missing = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 1 and missing.stderr.strip() == "error: --out is required"
