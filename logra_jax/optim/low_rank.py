@@ -213,8 +213,8 @@ def apply_updates_counting_changes(params, updates):
             return p
         if isinstance(u, LowRankUpdate):
             merged, fraction = u.merge_counting_changes(p)
-            changed.append(fraction * p.size)
-            total.append(p.size)
+            changed.append(fraction * float(p.size))   # a Python float: sizes pass int32 at 7B
+            total.append(float(p.size))
             return merged
         return jnp.asarray(p + u).astype(jnp.asarray(p).dtype)
     params = jax.tree.map(add, params, updates, is_leaf=lambda x: x is None)

@@ -110,3 +110,15 @@ def test_the_merge_counts_the_entries_it_changed():
         q_changed = float(np.mean(np.asarray(new["q"] != params["q"])))
         assert (q_changed == 0.0) if rounding == "nearest" else (q_changed > 0.02), (rounding, q_changed)
     assert np.isnan(float(merge({"w": jnp.ones(3)}, {"w": jnp.ones(3)})[1]))
+
+
+def test_counting_traces_for_targets_beyond_int32_entries():
+    """A 70B target stack has more than 2³¹ entries: the count must not pass sizes as int32
+    (traced only: nothing of that size is allocated)."""
+    from logra_jax.optim import LowRankUpdate, apply_updates_counting_changes
+
+    kernel = jax.ShapeDtypeStruct((2, 65536, 32768), jnp.bfloat16)          # 4.3e9 entries
+    update = LowRankUpdate(jax.ShapeDtypeStruct((2, 32768, 4), jnp.float32),
+                           jax.ShapeDtypeStruct((2, 2), jnp.uint32), jnp.float32(1.0))
+    new, fraction = jax.eval_shape(apply_updates_counting_changes, {"w": kernel}, {"w": update})
+    assert new["w"].shape == kernel.shape and fraction.dtype == jnp.float32
