@@ -4,7 +4,7 @@ The paper's claim: a 27B model trained with LoGRA on one 8-GPU node where dense 
 memory. Layout: all 8 devices train (FSDP) and the rollout engine shares them (colocated, bf16
 weights); GRPO variant with a reference KL (β = 0.01), so a bf16 reference copy is resident too;
 fp32 master weights, bf16 compute, per-layer remat, 1 sequence of 512 + 1536 tokens per device
-per micro-step. See logra_jax/model_shapes.py for what the shape approximates.
+per micro-step. The architecture is Gemma 3's own (logra_jax/model_shapes.py).
 """
 
 from configs import base

@@ -2,9 +2,8 @@
 
 A shape is everything that decides how many bytes a model occupies (vocabulary, width, depth, heads,
 MLP width, tied head, q/k/v biases). The values are copied from each model's public Hugging Face
-``config.json``. Where our Llama/Qwen2 decoder differs from the real architecture the difference is
-listed under the shape; none of it changes parameter bytes by more than 0.1 % or the activation
-bytes of the training step at all.
+``config.json``, architecture features included (Gemma 3's norms, GeGLU and sliding layers), so a
+plan compiles the model that would train.
 """
 
 from __future__ import annotations
@@ -12,6 +11,7 @@ from __future__ import annotations
 import ml_collections
 
 from logra_jax.models.config import ModelConfig
+from logra_jax.models.rope import RopeScaling
 
 SHAPE_PREFIX = "shape:"
 
@@ -27,17 +27,19 @@ MODEL_SHAPES: dict[str, dict] = {
                        num_kv_heads=4, head_dim=128, intermediate_size=18944, rope_theta=1e6,
                        rms_norm_eps=1e-6, qkv_bias=True, tie_embeddings=False,
                        max_position_embeddings=32768),
-    # google/gemma-3-27b (text tower): 62 layers, d 5376, MLP 21504, 32 q / 16 kv heads × 128,
-    # tied embeddings. Approximated by our decoder: vocabulary 262144 (HF lists 262208, +64
-    # rows = +0.01 % params); SwiGLU instead of GeGLU (same shapes and activations); no q/k norms
-    # and 2 instead of 4 RMSNorms per layer (0.7 M of 27.4 B params); every layer global, where
-    # Gemma 3 makes 5 of 6 layers sliding-window (1024): the same training bytes here (our
-    # attention materialises full scores either way), but the KV cache of a real Gemma 3 sampler
-    # with a sliding-window cache is smaller than ours for sequences > 1024 tokens.
-    "gemma3_27b": dict(vocab_size=262144, hidden_size=5376, num_layers=62, num_heads=32,
+    # google/gemma-3-27b(-it), its text model (text_config): 62 layers, d 5376, MLP 21504 (GeGLU),
+    # 32 q / 16 kv heads × 128 with q/k norms, 4 RMSNorms per layer, tied embeddings, vocabulary
+    # 262208; 5 of every 6 layers sliding-window (1024 tokens, RoPE base 1e4), the others global
+    # (base 1e6, linear scaling × 8). Our sampler's KV cache holds all slots for the sliding
+    # layers too (models/llama.py says why), so its KV bytes are those of all-global attention.
+    "gemma3_27b": dict(vocab_size=262208, hidden_size=5376, num_layers=62, num_heads=32,
                        num_kv_heads=16, head_dim=128, intermediate_size=21504, rope_theta=1e6,
-                       rms_norm_eps=1e-6, qkv_bias=False, tie_embeddings=True,
-                       max_position_embeddings=131072),
+                       rope_scaling=RopeScaling("linear", factor=8.0), rms_norm_eps=1e-6,
+                       qkv_bias=False, tie_embeddings=True, max_position_embeddings=131072,
+                       qk_norm=True, mlp_activation="gelu_tanh", norm_unit_offset=True,
+                       sandwich_norms=True, embed_scale=True, query_pre_attn_scalar=168.0,
+                       layer_types=tuple("full" if (i + 1) % 6 == 0 else "sliding" for i in range(62)),
+                       sliding_window=1024, rope_local_theta=1e4),
     # meta-llama/Llama-3.1-70B(-Instruct): 80 layers, d 8192, MLP 28672, 64 q / 8 kv heads × 128,
     # vocabulary 128256, untied head: 70.55 B parameters. Its llama3 rope scaling changes no bytes.
     "llama3_1_70b": dict(vocab_size=128256, hidden_size=8192, num_layers=80, num_heads=64,
