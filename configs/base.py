@@ -101,7 +101,7 @@ def get_config() -> ml_collections.ConfigDict:
     # `name` picks the section that builds the optimizer; each section's keys are the keyword
     # arguments of the function it configures (None: that function's own default).
     c.optimizer = ml_collections.ConfigDict(dict(
-        name="logra",                     # "logra" | "adamw" (the dense baseline)
+        name="logra",                     # "logra" | dense baselines: "adamw", "adafactor", "galore"
         warmup_steps=0,                   # linear warmup of `learning_rate` (either section)
         probe_size=2,                     # rows for the predicted and the realized KL
         max_consecutive_skips=3,          # non-finite updates in a row (skipped) that stop the run
@@ -131,6 +131,18 @@ def get_config() -> ml_collections.ConfigDict:
     # optax.adamw(...) after clipping by the global norm (max_grad_norm 0: no clipping).
     c.optimizer.adamw = ml_collections.ConfigDict(dict(
         learning_rate=1e-6, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0, max_grad_norm=1.0,
+    ))
+    # optax.adafactor(...) after the same clipping (logra_jax/optim/baselines.py): factored second
+    # moments; multiply_by_parameter_scale off so learning_rate is an absolute step as for AdamW.
+    c.optimizer.adafactor = ml_collections.ConfigDict(dict(
+        learning_rate=1e-6, decay_rate=0.8, min_dim_size_to_factor=128, clipping_threshold=1.0,
+        multiply_by_parameter_scale=False, momentum=placeholder(float),
+        weight_decay_rate=placeholder(float), max_grad_norm=1.0,
+    ))
+    # optax.contrib.galore(...) on the targets (one projector per layer), AdamW on the rest.
+    c.optimizer.galore = ml_collections.ConfigDict(dict(
+        learning_rate=1e-6, rank=128, update_proj_gap=200, scale=1.0, b1=0.9, b2=0.999, eps=1e-8,
+        weight_decay=0.0, targets=DEFAULT_TARGETS, max_grad_norm=1.0,
     ))
 
     # Trainer → rollout engine (docs/algorithm.md §8; logra_jax/rl/sync.py).

@@ -1,7 +1,7 @@
 """Per-device memory of one policy update and of the whole RL loop, ahead of time, on CPU.
 
     python -m launch.memory --config configs/qwen2_5_7b_gsm8k.py [--mesh fsdp=4,tensor=1] \
-        [--optimizer logra|adamw] [--compare adamw[,logra:fp32,...]] [--micro_steps N] \
+        [--optimizer logra|adamw|adafactor|galore] [--compare adamw[,adafactor,galore,logra:fp32,...]] [--micro_steps N] \
         [--rollout_devices N] [--explain 15] [--json out.json] [--config.key=value ...]
 
 The trainer's jitted update is compiled for the config's model shape on simulated CPU devices
@@ -53,11 +53,11 @@ from logra_jax import config as config_lib  # noqa: E402
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file.",
                                           lock_config=False)
 _MESH = flags.DEFINE_string("mesh", None, "Training mesh, e.g. fsdp=4,tensor=1 (default: config.mesh).")
-_OPTIMIZER = flags.DEFINE_enum("optimizer", None, ["logra", "adamw"],
+_OPTIMIZER = flags.DEFINE_enum("optimizer", None, ["logra", "adamw", "adafactor", "galore"],
                                "Optimizer to measure (default: config.optimizer.name).")
 _COMPARE = flags.DEFINE_list("compare", None,
-                             "Also measure these columns (logra | adamw, optionally :bf16 or :fp32 "
-                             "weights) and print the ratio of the peaks to the first column.")
+                             "Also measure these columns (logra | adamw | adafactor | galore; "
+                             "logra optionally :bf16 or :fp32 weights) and print the ratio of the peaks to the first column.")
 _MICRO_STEPS = flags.DEFINE_integer("micro_steps", None,
                                     "Micro-batches per update (default: the config's batch).")
 _ROLLOUT = flags.DEFINE_integer("rollout_devices", None,

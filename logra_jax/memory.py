@@ -164,16 +164,17 @@ _SHORT = {v: k for k, v in _DTYPES.items()}
 
 def columns(config: ml_collections.ConfigDict, compare) -> list[tuple[str, str, str]]:
     """(label, optimizer, param_dtype) per column of a memory report: the config's own first, then
-    ``compare``'s ('logra' | 'adamw', optionally ':bf16' / ':fp32' weights). AdamW is always the
-    usual mixed-precision baseline, fp32 master weights and moments."""
+    ``compare``'s ('logra' or a dense baseline — adamw, adafactor, galore — optionally ':bf16' /
+    ':fp32' weights for LoGRA). The dense baselines are always the usual mixed precision: fp32
+    master weights and optimizer state."""
     own = config.model.param_dtype
     out = []
     for spec in [config.optimizer.name] + list(compare or []):
         name, _, dtype = spec.partition(":")
-        if name not in ("logra", "adamw") or (dtype and dtype not in _DTYPES):
-            raise ValueError(f"--compare {spec!r}: expected logra or adamw, optionally with :bf16 "
-                             f"or :fp32 (e.g. adamw,logra:fp32)")
-        param_dtype = "float32" if name == "adamw" else _DTYPES.get(dtype, own)
+        if name not in build.OPTIMIZERS or (dtype and dtype not in _DTYPES):
+            raise ValueError(f"--compare {spec!r}: expected one of {', '.join(build.OPTIMIZERS)}, "
+                             f"optionally with :bf16 or :fp32 (e.g. adamw,logra:fp32)")
+        param_dtype = "float32" if name in build.DENSE_OPTIMIZERS else _DTYPES.get(dtype, own)
         label = name if param_dtype == own else f"{name}/{_SHORT[param_dtype]}"
         if label not in [c[0] for c in out]:
             out.append((label, name, param_dtype))

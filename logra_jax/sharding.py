@@ -230,12 +230,37 @@ def _owning_param(path: str, params_by_path: dict[str, Any]) -> str | None:
     return best
 
 
+def _sharded_like_matrix(shape, param) -> NamedSharding | None:
+    """(*stack, a, b) laid out like the param (*stack, in, out): the stack as the param's, and a or
+    b as the param's in or out entry of the same size (each mesh axis used once); else None."""
+    sharding = getattr(param, "sharding", None)
+    if not isinstance(sharding, NamedSharding):
+        return None
+    spec = tuple(sharding.spec) + (None,) * (param.ndim - len(sharding.spec))
+    by_size = {param.shape[-2]: spec[-2], param.shape[-1]: spec[-1]}
+    trailing, used = [], set()
+    for size in shape[-2:]:
+        entry = by_size.get(size)
+        axes = set(entry if isinstance(entry, tuple) else (entry,)) - {None}
+        if entry is not None and not axes & used:
+            trailing.append(entry)
+            used |= axes
+        else:
+            trailing.append(None)
+    if all(e is None for e in trailing):
+        return None
+    return NamedSharding(sharding.mesh, PartitionSpec(*(spec[:-2] + tuple(trailing))))
+
+
 def opt_state_shardings(tx, params):
     """Shardings for ``tx.init(params)``: each leaf like the parameter it belongs to.
 
     A leaf shaped like its parameter (Adam's m and v) takes the parameter's sharding; one shaped
     like the parameter without its ``in`` dimension (RowAdam's per-row v, shape (*stack, out))
-    takes that sharding with the ``in`` entry dropped; counters and other leaves are replicated.
+    takes that sharding with the ``in`` entry dropped; a matrix stack with the parameter's stack
+    and one of its ``in`` / ``out`` sizes (GaLore's projector (*stack, out, r) and low-rank moments
+    (*stack, in, r) or (*stack, r, out)) shards that axis as the parameter does; counters and other
+    leaves are replicated.
     ``jax.jit(tx.init)`` cannot be used for this: its outputs do not depend on the params' values,
     so XLA places them all on one device.
     """
@@ -254,6 +279,8 @@ def opt_state_shardings(tx, params):
             return param.sharding
         if param.ndim >= 2 and tuple(leaf.shape) == tuple(param.shape[:-2]) + (param.shape[-1],):
             return sharding_without_in_dim(param, keep_last=False)
+        if param.ndim >= 2 and leaf.ndim == param.ndim and leaf.shape[:-2] == param.shape[:-2]:
+            return _sharded_like_matrix(leaf.shape, param) or replicated
         return replicated
 
     return map_with_paths(one, shapes)

@@ -32,8 +32,8 @@ from logra_jax import model_shapes
 from logra_jax import sharding as sharding_lib
 from logra_jax.data import PromptIterator, load_gsm8k, make_task_source
 from logra_jax.models import Decoder, ModelConfig, from_pretrained, gguf_loader
-from logra_jax.optim import (SketchSpec, logra, skip_nonfinite_gradients, variant_defaults,
-                             warmup_constant)
+from logra_jax.optim import SketchSpec, logra, variant_defaults, warmup_constant
+from logra_jax.optim.baselines import adafactor_baseline, adamw_baseline, galore_baseline
 from logra_jax.rl.losses import ADVANTAGE_BASELINES, Advantages
 from logra_jax.rl.policy import Policy
 from logra_jax.rl.rollout import Grader, RolloutSpec, fit_prompt_window
@@ -64,7 +64,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
                          f"{rl.top_p}, top_k={rl.top_k}")
     opt = config.optimizer
     for section, key in (("logra", "learning_rate"), ("logra", "others_learning_rate"),
-                         ("adamw", "learning_rate")):
+                         ("adamw", "learning_rate"), ("adafactor", "learning_rate"),
+                         ("galore", "learning_rate")):
         value = opt[section][key]
         if not math.isfinite(value) or value < 0:  # a schedule built from it would hide a NaN
             raise ValueError(f"optimizer.{section}.{key} must be a finite number ≥ 0, got {value}")
@@ -176,21 +177,23 @@ class Optimizer(NamedTuple):
     learning_rate: optax.Schedule
 
 
+DENSE_OPTIMIZERS = {"adamw": adamw_baseline, "adafactor": adafactor_baseline,
+                    "galore": galore_baseline}
+OPTIMIZERS = ("logra",) + tuple(DENSE_OPTIMIZERS)
+
+
 def build_optimizer(cfg: ml_collections.ConfigDict) -> Optimizer:
     """The optimizer ``cfg.name`` names, from its section: ``cfg.logra`` holds the keyword arguments
-    of `logra(...)`, ``cfg.adamw`` those of ``optax.adamw`` (after global-norm clipping)."""
-    if cfg.name == "adamw":
-        a = cfg.adamw
-        learning_rate = warmup_constant(a.learning_rate, cfg.warmup_steps)
-        # skip_nonfinite_gradients, not skip_nonfinite: selecting between old and new moments keeps
-        # both alive (+9 GiB per device at 7B, measured); a cond runs one branch. A run whose
-        # weights still turn non-finite stops before they are saved (Run._check_divergence).
-        tx = skip_nonfinite_gradients(optax.chain(
-            optax.clip_by_global_norm(a.max_grad_norm) if a.max_grad_norm > 0 else optax.identity(),
-            optax.adamw(learning_rate, b1=a.b1, b2=a.b2, eps=a.eps, weight_decay=a.weight_decay)))
+    of `logra(...)`, ``cfg.adamw`` / ``cfg.adafactor`` / ``cfg.galore`` those of the dense
+    baselines in `optim.baselines` (each after global-norm clipping, non-finite steps skipped)."""
+    if cfg.name in DENSE_OPTIMIZERS:
+        kwargs = dict(cfg[cfg.name])
+        learning_rate = warmup_constant(kwargs.pop("learning_rate"), cfg.warmup_steps)
+        # A run whose weights still turn non-finite stops before they are saved (Run._check_divergence).
+        tx = DENSE_OPTIMIZERS[cfg.name](learning_rate, **kwargs)
         return Optimizer(tx, None, True, False, learning_rate)
     if cfg.name != "logra":
-        raise ValueError(f"optimizer.name must be 'logra' or 'adamw', got {cfg.name!r}")
+        raise ValueError(f"optimizer.name must be one of {OPTIMIZERS}, got {cfg.name!r}")
     kwargs = dict(cfg.logra)
     learning_rate = warmup_constant(kwargs.pop("learning_rate"), cfg.warmup_steps)
     tx = logra(learning_rate=learning_rate, **kwargs)
