@@ -219,8 +219,10 @@ def test_columns_per_weight_dtype_and_a_sampler_sharing_bf16_weights():
     assert memory.columns(config, ["adamw", "logra:fp32", "logra:bf16"]) == [
         ("logra", "logra", "bfloat16"), ("adamw/fp32", "adamw", "float32"),
         ("logra/fp32", "logra", "float32")]
-    with pytest.raises(ValueError, match="expected logra or adamw"):
+    with pytest.raises(ValueError, match="expected one of logra, adamw, adafactor, galore"):
         memory.columns(config, ["sgd"])
+    assert memory.columns(config, ["adafactor", "galore"])[1:] == [
+        ("adafactor/fp32", "adafactor", "float32"), ("galore/fp32", "galore", "float32")]
     mesh = build_mesh({"fsdp": 8, "tensor": 1}, jax.devices(), spare_devices=True)
     assert memory.rl_resident_bytes(config, mesh, mesh).sampler_weights == 0
     config.model.param_dtype = "float32"

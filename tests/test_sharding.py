@@ -125,6 +125,24 @@ def test_optimizer_state_inherits_parameter_shardings(model):
     assert param_shardings(nnx.State({"v": row}), mesh)["v"].spec == P()
 
 
+def test_galore_state_is_sharded_like_its_kernel():
+    """opt_state_shardings on GaLore's per-layer state: the projector and the low-rank moments
+    keep the kernel's sharded in/out axis (replicated they would cost a full copy per device)."""
+    from jax.sharding import NamedSharding
+    from logra_jax.optim.baselines import galore_baseline
+    from logra_jax.sharding import opt_state_shardings
+    from logra_jax.tree_paths import leaves_with_paths
+
+    mesh = make_mesh({"fsdp": 4, "tensor": 2})
+    kernel = jax.device_put(jnp.ones((2, 64, 16)), NamedSharding(mesh, P(None, "fsdp", "tensor")))
+    params = {"layers": {"mlp": {"up_proj": {"kernel": kernel}}}}
+    specs = {path: s.spec for path, s in leaves_with_paths(
+        opt_state_shardings(galore_baseline(0.1, rank=4), params))}
+    matrices = {path: spec for path, spec in specs.items() if len(spec) == 3}
+    assert matrices and all(spec[:2] == (None, "fsdp") or spec[2:] == ("tensor",)
+                            for spec in matrices.values()), specs
+
+
 def test_activations_split_by_batch_under_a_mesh_context():
     """shard_batch: rows over fsdp when a mesh is in context and they divide; a no-op otherwise."""
     mesh = make_mesh({"fsdp": 4, "tensor": 2})
