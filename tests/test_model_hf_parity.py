@@ -263,7 +263,7 @@ def test_loader_errors_name_the_problem(checkpoints, tmp_path):
         with pytest.raises(ValueError, match=field if field != "hidden_act" else "activation 'gelu'"):
             from_pretrained(other_arch)
     (other_arch / "config.json").write_text(json.dumps(dict(config, model_type="gemma3")))
-    with pytest.raises(ValueError, match="multimodal Gemma 3.*gemma3_text"):
+    with pytest.raises(ValueError, match="model_type 'gemma3' has no text_config"):
         from_pretrained(other_arch)
 
     no_tokenizer = _copy(folder, tmp_path, "no_tokenizer")
@@ -295,3 +295,26 @@ def test_export_round_trip(checkpoints, tokens, name, tmp_path):
     assert back.config == model.config
     with pytest.raises(FileExistsError, match="not empty"):
         write_hf_folder(model.config, weights, tokenizer, out)
+
+
+def test_the_multimodal_gemma3_checkpoint_loads_its_language_model(tmp_path, tokens):
+    """google/gemma-3-*-it folders are Gemma3ForConditionalGeneration (model_type "gemma3", the
+    text model's config under text_config, a vision tower beside it): we read the language model
+    and compute transformers' text-only logits."""
+    text = dict(CONFIGS["gemma3"][2])
+    text.pop("attn_implementation")
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                  image_size=28, patch_size=14)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                       image_token_index=VOCAB - 1, boi_token_index=VOCAB - 3,
+                                       eoi_token_index=VOCAB - 2)
+    config._attn_implementation = "eager"
+    torch.manual_seed(7)
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    randomise(model, 7)
+    model.save_pretrained(tmp_path)
+    write_tokenizer(tmp_path, template_in_jinja_file=False)
+    ours, _ = from_pretrained(tmp_path)
+    assert ours.config.sliding_layers == (True, False, True) and ours.config.tie_embeddings
+    fn, state = forward(ours)
+    np.testing.assert_allclose(np.asarray(fn(state, tokens)), torch_logits(model, tokens), atol=1e-4, rtol=0)

@@ -19,6 +19,12 @@ from logra_jax.models.rope import RopeScaling
 from logra_jax.models.tokenizer import Tokenizer
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "gemma3_text")
+# Multimodal Gemma 3 ("gemma3") stores its language model under one of these prefixes (the
+# original checkpoints and transformers' saves; newer in-memory names) beside the vision tower.
+_LANGUAGE_MODEL_PREFIXES = (("model.", "lm_head.weight"),
+                            ("language_model.model.", "language_model.lm_head.weight"),
+                            ("model.language_model.", "lm_head.weight"))
+_VISION = re.compile(r"(model\.)?(vision_tower|multi_modal_projector)\..*")
 
 # Per-layer HF tensor name (after "model.layers.{i}.") → our stacked path and whether to transpose.
 _LAYER_TENSORS = {
@@ -131,11 +137,12 @@ def _require(hf: dict, field: str, allowed, why: str):
 def config_from_hf(hf: dict, **overrides) -> ModelConfig:
     """ModelConfig from a parsed config.json; unsupported architecture features are errors that
     name the field (never a silent fallback to something else)."""
+    if hf.get("model_type") == "gemma3":   # the multimodal checkpoint: its language model
+        hf = dict(hf.get("text_config") or {}, model_type="gemma3_text")
+        if "num_hidden_layers" not in hf:
+            raise ValueError("config.json model_type 'gemma3' has no text_config with the language "
+                             "model's shape")
     model_type = hf.get("model_type")
-    if model_type == "gemma3":
-        raise ValueError("config.json model_type 'gemma3' is the multimodal Gemma 3 checkpoint; load "
-                         "its text model: a folder with text_config as config.json (model_type "
-                         "'gemma3_text') and the language model's tensors")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"config.json model_type {model_type!r} is not supported; "
                          f"supported: {SUPPORTED_MODEL_TYPES}")
@@ -218,10 +225,16 @@ def read_hf_folder(folder: str | pathlib.Path, **overrides) -> tuple[ModelConfig
     config_file = folder / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"no config.json in {folder}")
-    config = config_from_hf(json.loads(config_file.read_text()), **overrides)
+    hf = json.loads(config_file.read_text())
+    config = config_from_hf(hf, **overrides)
     tensors: dict[str, np.ndarray] = {}
     for file in _safetensors_files(folder):
         tensors.update(read_safetensors(file))
+    prefix, head = _LANGUAGE_MODEL_PREFIXES[0]
+    if hf.get("model_type") == "gemma3":   # only the language model is read; the vision tower is not
+        tensors = {k: v for k, v in tensors.items() if not _VISION.fullmatch(k)}
+        prefix, head = next(((p, h) for p, h in _LANGUAGE_MODEL_PREFIXES
+                             if f"{p}embed_tokens.weight" in tensors), _LANGUAGE_MODEL_PREFIXES[0])
 
     used: set[str] = set()
 
@@ -251,16 +264,16 @@ def read_hf_folder(folder: str | pathlib.Path, **overrides) -> tuple[ModelConfig
     }
     per_layer = layer_tensors(c)
     weights: dict[str, np.ndarray] = {
-        "embed_tokens/embedding": take("model.embed_tokens.weight", (c.vocab_size, c.hidden_size)),
-        "norm/scale": take("model.norm.weight", (c.hidden_size,)),
+        "embed_tokens/embedding": take(f"{prefix}embed_tokens.weight", (c.vocab_size, c.hidden_size)),
+        "norm/scale": take(f"{prefix}norm.weight", (c.hidden_size,)),
     }
     for hf_name, (path, transpose) in per_layer.items():
-        layers = [take(f"model.layers.{i}.{hf_name}", hf_shapes[hf_name]) for i in range(c.num_layers)]
+        layers = [take(f"{prefix}layers.{i}.{hf_name}", hf_shapes[hf_name]) for i in range(c.num_layers)]
         weights[path] = np.stack([a.T if transpose else a for a in layers])
     if not c.tie_embeddings:
-        weights["lm_head/kernel"] = take("lm_head.weight", (c.vocab_size, c.hidden_size)).T
-    elif "lm_head.weight" in tensors:
-        used.add("lm_head.weight")  # some tied checkpoints still store the (identical) head
+        weights["lm_head/kernel"] = take(head, (c.vocab_size, c.hidden_size)).T
+    elif head in tensors:
+        used.add(head)  # some tied checkpoints still store the (identical) head
     unused = sorted(n for n in tensors if n not in used and not _IGNORED.fullmatch(n))
     if unused:
         raise ValueError(f"{folder}: tensors not used by a {c.num_layers}-layer model: {unused[:8]}"
