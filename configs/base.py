@@ -101,7 +101,7 @@ def get_config() -> ml_collections.ConfigDict:
     # `name` picks the section that builds the optimizer; each section's keys are the keyword
     # arguments of the function it configures (None: that function's own default).
     c.optimizer = ml_collections.ConfigDict(dict(
-        name="logra",                     # "logra" | dense baselines: "adamw", "adafactor", "galore"
+        name="logra",                     # "logra" | "lora" | dense: "adamw", "adafactor", "galore"
         warmup_steps=0,                   # linear warmup of `learning_rate` (either section)
         probe_size=2,                     # rows for the predicted and the realized KL
         max_consecutive_skips=3,          # non-finite updates in a row (skipped) that stop the run
@@ -138,6 +138,12 @@ def get_config() -> ml_collections.ConfigDict:
         learning_rate=1e-6, decay_rate=0.8, min_dim_size_to_factor=128, clipping_threshold=1.0,
         multiply_by_parameter_scale=False, momentum=placeholder(float),
         weight_decay_rate=placeholder(float), max_grad_norm=1.0,
+    ))
+    # LoRA (logra_jax/optim/lora.py): rank-r adapters s·B·A (s = alpha / rank) on the targets,
+    # AdamW (after the same clipping) on the adapters only; the base frozen in model.param_dtype.
+    c.optimizer.lora = ml_collections.ConfigDict(dict(
+        rank=64, alpha=128.0, targets=DEFAULT_TARGETS, init_seed=0,
+        learning_rate=1e-5, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0, max_grad_norm=1.0,
     ))
     # optax.contrib.galore(...) on the targets (one projector per layer), AdamW on the rest.
     c.optimizer.galore = ml_collections.ConfigDict(dict(

@@ -2,7 +2,7 @@
 
 The run's own config.json (written by the trainer) says which model it trained; that model is
 built (its weights are the template), the checkpoint's params are restored into it and written
-by `models.hf_export.write_hf_folder`. Any source the loaders read exports: a Llama/Qwen/Gemma
+by `models.hf_export.write_hf_folder` (a LoRA run's adapters merged into the base first). Any source the loaders read exports: a Llama/Qwen/Gemma
 folder as its own architecture, the SmolLM2 GGUF and ``model.source="tiny"`` as a Llama folder.
 """
 
@@ -17,6 +17,7 @@ import numpy as np
 
 from logra_jax import checkpoint as checkpoint_lib
 from logra_jax.models.hf_export import write_hf_folder
+from logra_jax.optim.lora import LORA_KEY, merge_adapters
 from logra_jax.rl import build
 from logra_jax.rl.policy import Policy
 from logra_jax.tree_paths import leaves_with_paths
@@ -47,8 +48,11 @@ def export_run(workdir: str | pathlib.Path, out: str | pathlib.Path, *, step: in
         if step not in steps:
             raise ValueError(f"{workdir} has no checkpoint of step {step}; it has {sorted(steps)}")
         model, tokenizer = build.build_model(config.model, mesh=None)
-        params = ckpt.restore_params(step, Policy.params_of(model))
+        template = build.with_adapters(config.optimizer, Policy.params_of(model))
+        params = ckpt.restore_params(step, template)
     finally:
         ckpt.close()
+    if LORA_KEY in params:   # a LoRA run: its adapters folded into the base (W + s·Aᵀ·Bᵀ)
+        params = merge_adapters(params, build.lora_scale(config.optimizer))
     weights = {path: np.asarray(jax.device_get(value)) for path, value in leaves_with_paths(params)}
     return write_hf_folder(model.config, weights, tokenizer, out, dtype=dtype), step

@@ -110,7 +110,7 @@ def abstract_batch(mesh: Mesh, rows: int, prompt_length: int, completion_length:
 def gradient_bytes(params, sketch, train_others: bool) -> int:
     """Per-device bytes of one gradient tree of the step, from shapes.
 
-    Dense optimizer: a params-shaped tree. LoGRA: one fp32 sketch (*stack, out, r) per target,
+    Dense optimizer: a params-shaped tree (LoRA: the adapters' tree is passed). LoGRA: one fp32 sketch (*stack, out, r) per target,
     sharded as PolicyUpdate constrains it (`sketch_shardings`), plus dense gradients of the
     non-targets when they are trained.
     """
@@ -174,6 +174,7 @@ def columns(config: ml_collections.ConfigDict, compare) -> list[tuple[str, str, 
         if name not in build.OPTIMIZERS or (dtype and dtype not in _DTYPES):
             raise ValueError(f"--compare {spec!r}: expected one of {', '.join(build.OPTIMIZERS)}, "
                              f"optionally with :bf16 or :fp32 (e.g. adamw,logra:fp32)")
+        # LoRA's base, like LoGRA's weights, in the config's dtype or the column's :bf16 / :fp32.
         param_dtype = "float32" if name in build.DENSE_OPTIMIZERS else _DTYPES.get(dtype, own)
         label = name if param_dtype == own else f"{name}/{_SHORT[param_dtype]}"
         if label not in [c[0] for c in out]:
@@ -196,12 +197,12 @@ def update_step_memory(config: ml_collections.ConfigDict, mesh: Mesh, *, micro_s
     """
     model_config = model_shapes.model_config_from(config.model)
     model = abstract_model(model_config)
-    policy = Policy(model)
-    params = abstract_params(model, mesh)
+    policy = Policy(model, lora_scale=build.lora_scale(config.optimizer))
+    params = build.with_adapters(config.optimizer, abstract_params(model, mesh))
     optimizer = build.build_optimizer(config.optimizer)
     update = build.build_policy_update(config, policy, optimizer=optimizer)
     sketch, train_others = optimizer.sketch, optimizer.train_others
-    opt_state = abstract_opt_state(update.tx, params)
+    opt_state = abstract_opt_state(update.tx, params[optimizer.subtree] if optimizer.subtree else params)
 
     rl = config.rl
     rows = config.data.prompts_per_step * rl.num_generations
@@ -225,7 +226,8 @@ def update_step_memory(config: ml_collections.ConfigDict, mesh: Mesh, *, micro_s
     return StepMemory(
         optimizer=label or config.optimizer.name, devices=mesh.size, micro_steps=rows // rl.micro_batch_size,
         params=device_bytes(params), opt_state=device_bytes(opt_state), batch=device_bytes(batch),
-        gradients=gradient_bytes(params, sketch, train_others),
+        gradients=gradient_bytes(params[optimizer.subtree] if optimizer.subtree else params, sketch,
+                                 train_others),
         arguments=stats.argument_size_in_bytes, outputs=stats.output_size_in_bytes,
         aliased=stats.alias_size_in_bytes, temporaries=stats.temp_size_in_bytes,
         code=stats.generated_code_size_in_bytes)

@@ -230,7 +230,7 @@ def _owning_param(path: str, params_by_path: dict[str, Any]) -> str | None:
     return best
 
 
-def _sharded_like_matrix(shape, param) -> NamedSharding | None:
+def sharded_like_matrix(shape, param) -> NamedSharding | None:
     """(*stack, a, b) laid out like the param (*stack, in, out): the stack as the param's, and a or
     b as the param's in or out entry of the same size (each mesh axis used once); else None."""
     sharding = getattr(param, "sharding", None)
@@ -280,7 +280,7 @@ def opt_state_shardings(tx, params):
         if param.ndim >= 2 and tuple(leaf.shape) == tuple(param.shape[:-2]) + (param.shape[-1],):
             return sharding_without_in_dim(param, keep_last=False)
         if param.ndim >= 2 and leaf.ndim == param.ndim and leaf.shape[:-2] == param.shape[:-2]:
-            return _sharded_like_matrix(leaf.shape, param) or replicated
+            return sharded_like_matrix(leaf.shape, param) or replicated
         return replicated
 
     return map_with_paths(one, shapes)

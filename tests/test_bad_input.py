@@ -69,7 +69,7 @@ ROWS = [
      "longer than rl.max_prompt_length=8 tokens (the longest has 46): none is left"),
     ("prompts-too-long-no-skip", dict(rl=dict(max_prompt_length=8), data=dict(skip_long_prompts=False)),
      "raise rl.max_prompt_length to 46, or set data.skip_long_prompts=True"),
-    ("optimizer-name", dict(optimizer=dict(name="sgd")), "optimizer.name must be one of ('logra', 'adamw', 'adafactor', 'galore')"),
+    ("optimizer-name", dict(optimizer=dict(name="sgd")), "optimizer.name must be one of ('logra', 'adamw', 'adafactor', 'galore', 'lora')"),
     ("lr-nan", dict(optimizer=dict(logra=dict(learning_rate=float("nan")))),
      "optimizer.logra.learning_rate must be a finite number ≥ 0, got nan"),
     ("adamw-lr-inf", dict(optimizer=dict(name="adamw", adamw=dict(learning_rate=float("inf")))),

@@ -1,5 +1,6 @@
-"""The dense-gradient baselines (optim/baselines.py) in the loop: Adafactor and GaLore train,
-checkpoint and resume bit for bit; GaLore on stacked kernels is GaLore on each layer."""
+"""The baselines in the loop: Adafactor, GaLore (optim/baselines.py) and LoRA (optim/lora.py)
+train, checkpoint and resume bit for bit; GaLore on stacked kernels is GaLore on each layer; a
+LoRA run exports with its adapters merged."""
 
 import jax
 import jax.numpy as jnp
@@ -47,10 +48,11 @@ def test_galore_projects_only_the_targets():
     assert jax.tree.all(jax.tree.map(lambda u: bool(jnp.all(jnp.isfinite(u))), updates))
 
 
-@pytest.mark.parametrize("name", ["adafactor", "galore"])
+@pytest.mark.parametrize("name", ["adafactor", "galore", "lora"])
 def test_trains_checkpoints_and_resumes_bit_exactly(name, tmp_path):
-    """configs/tiny.py with optimizer.name=<name>: every parameter moves; stopping after step 1
-    and resuming ends on the straight run's weights and optimizer state, bit for bit."""
+    """configs/tiny.py with optimizer.name=<name>: every parameter moves (LoRA: every adapter, and
+    no base weight); stopping after step 1 and resuming ends on the straight run's weights and
+    optimizer state, bit for bit."""
     config = tiny_config({"optimizer": {"name": name}, "max_steps": 2,
                           "checkpoint": {"every": 1, "keep": 2}})
     trainer = trainer_lib.Trainer(config)
@@ -58,7 +60,11 @@ def test_trains_checkpoints_and_resumes_bit_exactly(name, tmp_path):
     straight.loop()
     straight.close()
     initial, end = _flat(trainer.initial_params), _flat(straight.params)
-    assert not [p for p in end if np.array_equal(end[p], initial[p])]
+    unchanged = [p for p in end if np.array_equal(end[p], initial[p])]
+    if name == "lora":
+        assert sorted(unchanged) == sorted(p for p in end if not p.startswith("lora/")), unchanged
+    else:
+        assert not unchanged, unchanged
     assert (tmp_path / "straight" / "checkpoints" / "2").is_dir()
 
     for steps in (1, 2):
@@ -72,3 +78,27 @@ def test_trains_checkpoints_and_resumes_bit_exactly(name, tmp_path):
                                      jax.device_get(resumed.opt_state)))
     assert [r["step"] for r in metrics.read_jsonl(tmp_path / "resumed" / "metrics.jsonl")] == [1, 2]
     assert optax.tree.norm(resumed.opt_state) > 0
+
+
+def test_a_lora_run_exports_with_its_adapters_merged(tmp_path):
+    """A tiny LoRA run (2 steps) exported: transformers computes base + adapters' logits."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from logra_jax.export import export_run
+
+    config = tiny_config({"optimizer": {"name": "lora", "lora": {"rank": 4, "learning_rate": 3e-2}},
+                          "max_steps": 2})
+    trainer = trainer_lib.Trainer(config)
+    run = trainer_lib.Run(config, tmp_path / "run", trainer=trainer)
+    run.loop()
+    run.close()
+    out, _ = export_run(tmp_path / "run", tmp_path / "hf")
+    reference = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    tokens = np.random.default_rng(0).integers(0, 1000, (2, 10)).astype(np.int32)
+    seqs_logits = jax.jit(lambda p, t: trainer.policy.bind(p)(t, probes=trainer.policy.probes(p)))
+    ours = np.asarray(seqs_logits(run.params, tokens))
+    base = np.asarray(seqs_logits(trainer.initial_params, tokens))
+    assert np.abs(ours - base).max() > 1e-4          # the adapters moved the model
+    with torch.no_grad():
+        theirs = reference(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+    np.testing.assert_allclose(theirs, ours, atol=1e-4, rtol=0)

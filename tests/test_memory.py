@@ -219,7 +219,7 @@ def test_columns_per_weight_dtype_and_a_sampler_sharing_bf16_weights():
     assert memory.columns(config, ["adamw", "logra:fp32", "logra:bf16"]) == [
         ("logra", "logra", "bfloat16"), ("adamw/fp32", "adamw", "float32"),
         ("logra/fp32", "logra", "float32")]
-    with pytest.raises(ValueError, match="expected one of logra, adamw, adafactor, galore"):
+    with pytest.raises(ValueError, match="expected one of logra, adamw, adafactor, galore, lora"):
         memory.columns(config, ["sgd"])
     assert memory.columns(config, ["adafactor", "galore"])[1:] == [
         ("adafactor/fp32", "adafactor", "float32"), ("galore/fp32", "galore", "float32")]

@@ -270,8 +270,10 @@ class Decoder(nnx.Module):
             if path not in LAYER_LINEARS:
                 raise ValueError(f"probe for {path!r}, which is not a stacked linear kernel of this "
                                  f"decoder; valid targets: {sorted(LAYER_LINEARS)}")
-            if not isinstance(probe, SketchProbe):
-                raise ValueError(f"probe for {path!r} must be a SketchProbe, got {type(probe).__name__}")
+            if not isinstance(probe, SketchProbe) and not (hasattr(probe, "projection")
+                                                           and hasattr(probe, "factor")):
+                raise ValueError(f"probe for {path!r} must be a SketchProbe or an adapter with "
+                                 f"projection() and factor (LoRA), got {type(probe).__name__}")
             layer = self.layers
             for name in path.split("/")[1:-1]:
                 layer = getattr(layer, name)

@@ -26,7 +26,7 @@ import jax
 import ml_collections
 import optax
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from logra_jax import model_shapes
 from logra_jax import sharding as sharding_lib
@@ -34,6 +34,8 @@ from logra_jax.data import PromptIterator, load_gsm8k, make_task_source
 from logra_jax.models import Decoder, ModelConfig, from_pretrained, gguf_loader
 from logra_jax.optim import SketchSpec, logra, variant_defaults, warmup_constant
 from logra_jax.optim.baselines import adafactor_baseline, adamw_baseline, galore_baseline
+from logra_jax.optim.lora import LORA_KEY, init_adapters, kernel_path
+from logra_jax.tree_paths import leaves_with_paths
 from logra_jax.rl.losses import ADVANTAGE_BASELINES, Advantages
 from logra_jax.rl.policy import Policy
 from logra_jax.rl.rollout import Grader, RolloutSpec, fit_prompt_window
@@ -65,7 +67,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
     opt = config.optimizer
     for section, key in (("logra", "learning_rate"), ("logra", "others_learning_rate"),
                          ("adamw", "learning_rate"), ("adafactor", "learning_rate"),
-                         ("galore", "learning_rate")):
+                         ("galore", "learning_rate"), ("lora", "learning_rate")):
         value = opt[section][key]
         if not math.isfinite(value) or value < 0:  # a schedule built from it would hide a NaN
             raise ValueError(f"optimizer.{section}.{key} must be a finite number ≥ 0, got {value}")
@@ -87,6 +89,13 @@ def validate(config: ml_collections.ConfigDict) -> None:
     if config.sync.mode == "factors" and config.optimizer.name != "logra":
         raise ValueError("sync.mode='factors' sends LoGRA's low-rank factors; optimizer.name="
                          f"{config.optimizer.name!r} has none (use full or sparse)")
+    if config.optimizer.name == "lora" and config.sync.mode != "off":
+        raise ValueError("optimizer.name='lora' runs with a colocated sampler (sync.mode='off') only "
+                         "for now: no sync mode sends adapters yet")
+    if config.optimizer.name == "lora" and not (config.optimizer.lora.rank > 0
+                                                and config.optimizer.lora.alpha > 0):
+        raise ValueError(f"optimizer.lora.rank and alpha must be positive, got "
+                         f"{config.optimizer.lora.rank} and {config.optimizer.lora.alpha}")
     if config.sync.dtype not in SYNC_DTYPES:
         raise ValueError(f"sync.dtype must be one of {sorted(SYNC_DTYPES)}, got {config.sync.dtype!r}")
     rows = config.data.prompts_per_step * rl.num_generations
@@ -167,7 +176,8 @@ class Optimizer(NamedTuple):
 
     tx: the optax chain. sketch: its SketchSpec (None for a dense optimizer). train_others: False
     when non-target params are frozen (KL variant). kl_control: the update needs a predicted-KL
-    probe. learning_rate: the schedule of the step size (logged each step).
+    probe. learning_rate: the schedule of the step size (logged each step). subtree: the params
+    entry `tx` alone trains ("lora": the adapters), None for all params.
     """
 
     tx: optax.GradientTransformation
@@ -175,11 +185,43 @@ class Optimizer(NamedTuple):
     train_others: bool
     kl_control: bool
     learning_rate: optax.Schedule
+    subtree: str | None = None
 
 
 DENSE_OPTIMIZERS = {"adamw": adamw_baseline, "adafactor": adafactor_baseline,
                     "galore": galore_baseline}
-OPTIMIZERS = ("logra",) + tuple(DENSE_OPTIMIZERS)
+OPTIMIZERS = ("logra",) + tuple(DENSE_OPTIMIZERS) + ("lora",)
+
+
+def lora_scale(cfg: ml_collections.ConfigDict) -> float | None:
+    """s = α / r of ``optimizer.lora`` when that is the optimizer (the Policy needs it), else None."""
+    return cfg.lora.alpha / cfg.lora.rank if cfg.name == "lora" else None
+
+
+def with_adapters(cfg: ml_collections.ConfigDict, params: dict) -> dict:
+    """``params`` plus freshly initialised LoRA adapters (``params["lora"]``) when the optimizer is
+    LoRA, each sharded like its kernel's in / out axes; otherwise ``params`` unchanged. Abstract
+    params (ShapeDtypeStructs, for memory planning) get abstract adapters."""
+    if cfg.name != "lora":
+        return params
+    abstract = any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params))
+
+    def make(p):
+        return init_adapters(p, cfg.lora.targets, cfg.lora.rank, cfg.lora.init_seed)
+    adapters = jax.eval_shape(make, params) if abstract else make(params)
+    kernels = dict(leaves_with_paths(params))
+
+    def place(x, kernel):
+        sharding = getattr(kernel, "sharding", None)
+        if not isinstance(sharding, NamedSharding):
+            return x
+        s = (sharding_lib.sharded_like_matrix(x.shape, kernel)
+             or NamedSharding(sharding.mesh, PartitionSpec()))
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s) if abstract else jax.device_put(x, s)
+
+    return dict(params, **{LORA_KEY: {
+        key: {name: place(x, kernels[kernel_path(key)]) for name, x in adapter.items()}
+        for key, adapter in adapters.items()}})
 
 
 def build_optimizer(cfg: ml_collections.ConfigDict) -> Optimizer:
@@ -192,6 +234,12 @@ def build_optimizer(cfg: ml_collections.ConfigDict) -> Optimizer:
         # A run whose weights still turn non-finite stops before they are saved (Run._check_divergence).
         tx = DENSE_OPTIMIZERS[cfg.name](learning_rate, **kwargs)
         return Optimizer(tx, None, True, False, learning_rate)
+    if cfg.name == "lora":
+        lora = cfg.lora
+        learning_rate = warmup_constant(lora.learning_rate, cfg.warmup_steps)
+        tx = adamw_baseline(learning_rate, b1=lora.b1, b2=lora.b2, eps=lora.eps,
+                            weight_decay=lora.weight_decay, max_grad_norm=lora.max_grad_norm)
+        return Optimizer(tx, None, False, False, learning_rate, subtree=LORA_KEY)
     if cfg.name != "logra":
         raise ValueError(f"optimizer.name must be one of {OPTIMIZERS}, got {cfg.name!r}")
     kwargs = dict(cfg.logra)
@@ -220,7 +268,7 @@ def build_policy_update(config: ml_collections.ConfigDict, policy: Policy, *,
                         micro_batch_size=config.rl.micro_batch_size,
                         probe_size=config.optimizer.probe_size, sketch=optimizer.sketch,
                         train_others=optimizer.train_others, kl_control=optimizer.kl_control,
-                        return_updates=return_updates)
+                        return_updates=return_updates, subtree=optimizer.subtree)
 
 
 def build_sampler(rl: ml_collections.ConfigDict, policy: Policy, tokenizer) -> Sampler:

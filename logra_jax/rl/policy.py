@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from logra_jax.models.logprobs import token_logprobs
+from logra_jax.optim.lora import LORA_KEY, adapter_probes
 
 
 @jax.tree_util.register_dataclass
@@ -51,9 +52,12 @@ class Policy:
     Args:
       model: a built `Decoder`; only its graph and parameter shapes are kept (no arrays), so
         holding a Policy does not pin the initial weights in memory.
+      lora_scale: s = α/r of LoRA adapters held in ``params["lora"]`` (optim/lora.py); every call
+        then runs the base model with its adapters as probes. None: params hold no adapters.
     """
 
-    def __init__(self, model: nnx.Module):
+    def __init__(self, model: nnx.Module, lora_scale: float | None = None):
+        self.lora_scale = lora_scale
         self.graphdef, state = nnx.split(model)
         extra = [jax.tree_util.keystr(p) for p, v in nnx.to_flat_state(state)
                  if not isinstance(v, nnx.Param)]
@@ -68,15 +72,24 @@ class Policy:
         return nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
     def bind(self, params: dict) -> nnx.Module:
+        """The base model holding ``params`` (LoRA adapters, if any, are not part of it: `probes`)."""
         state = jax.tree.map(lambda x: x, self._skeleton)
-        nnx.replace_by_pure_dict(state, params)
+        nnx.replace_by_pure_dict(state, {k: v for k, v in params.items() if k != LORA_KEY})
         return nnx.merge(self.graphdef, state)
+
+    def probes(self, params: dict, probes=None):
+        """``probes`` plus the LoRA adapters of ``params`` (None when there are neither)."""
+        if LORA_KEY not in params:
+            return probes
+        if self.lora_scale is None:
+            raise ValueError("params hold LoRA adapters but this Policy has no lora_scale")
+        return dict(probes or {}, **adapter_probes(params[LORA_KEY], self.lora_scale))
 
     def hidden(self, params: dict, seqs: Sequences, probes=None) -> jax.Array:
         """Final-normed hidden states at the positions that predict each completion token."""
         model = self.bind(params)
         hidden = model(seqs.tokens, positions=seqs.positions, segment_mask=seqs.segment_mask,
-                       probes=probes, return_hidden=True)
+                       probes=self.probes(params, probes), return_hidden=True)
         return hidden[:, seqs.prompt_length - 1:-1]
 
     def completion_logprobs(self, params: dict, seqs: Sequences, *, probes=None,

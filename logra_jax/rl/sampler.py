@@ -142,6 +142,7 @@ class Sampler:
     def _generate_impl(self, params, prompt_tokens, prompt_mask, rng, temperature, *,
                        top_k: int, top_p: float, greedy: bool) -> SampleOutput:
         model = self.policy.bind(params)
+        probes = self.policy.probes(params)   # LoRA adapters, if the params hold any
         batch, prompt_len = prompt_tokens.shape
         steps = self.max_completion_length
         prompt_tokens, prompt_mask = left_align(prompt_tokens, prompt_mask, self.pad_id)
@@ -152,7 +153,7 @@ class Sampler:
         # Prefill: only the last position's logits are needed, so the head runs on that one
         # hidden state (full-vocabulary logits of every prompt position would be b × t × V).
         hidden, cache = model(prompt_tokens, positions=positions, segment_mask=prompt_mask,
-                              cache=cache, return_hidden=True)
+                              cache=cache, return_hidden=True, probes=probes)
         last_logits = model.logits(hidden[:, -1:])[:, 0].astype(jnp.float32)
         eos = jnp.asarray(self.eos_ids, jnp.int32)
 
@@ -180,7 +181,7 @@ class Sampler:
             mask = mask.at[:, step].set(valid)
             done = done | jnp.isin(token, eos)
             out, cache = model(token[:, None], positions=position[:, None],
-                               segment_mask=valid[:, None], cache=cache)
+                               segment_mask=valid[:, None], cache=cache, probes=probes)
             return (step + 1, cache, out[:, -1].astype(jnp.float32), done, position + 1, key,
                     tokens, logprobs, mask)
 

@@ -61,9 +61,9 @@ class Trainer:
                          "the sampler on its own devices and sends %s", config.sync.mode,
                          config.sync.mode)
         model, self.tokenizer = build.build_model(config.model, self.mesh)
-        self.policy = Policy(model)
+        self.policy = Policy(model, lora_scale=build.lora_scale(config.optimizer))
         self.rollout_shardings = sync.rollout_shardings(model, self.rollout_mesh)
-        params = Policy.params_of(model)
+        params = build.with_adapters(config.optimizer, Policy.params_of(model))   # + LoRA's
         del model
         # The devices hold one copy of the weights during training: the policy's. The initial
         # weights (the start of every Run of this Trainer) wait on the host, and the frozen
@@ -92,8 +92,10 @@ class Trainer:
         self.initial_norm = float(self.weight_norm(params))
         # Optimizer state sharded like the params it belongs to (RowAdam's v like the kernel's out
         # dim): jit(tx.init) alone puts every output on one device, since none depends on values.
-        self._init_opt = jax.jit(self.tx.init,
-                                 out_shardings=sharding_lib.opt_state_shardings(self.tx, params))
+        # LoRA's optimizer sees the adapters only (Optimizer.subtree).
+        trained = (lambda p: p[self.optimizer.subtree]) if self.optimizer.subtree else (lambda p: p)
+        self._init_opt = jax.jit(lambda p: self.tx.init(trained(p)),
+                                 out_shardings=sharding_lib.opt_state_shardings(self.tx, trained(params)))
         del params
 
     def _ref_logprobs_impl(self, ref_params, seqs: Sequences):

@@ -91,11 +91,14 @@ class PolicyUpdate:
       kl_control: pass ``predict_kl`` and ``mismatch`` to ``tx.update``.
       return_updates: the step also returns a `CompactUpdate` (the targets' LowRankUpdates and
         their update index k), for a rollout engine that syncs by factors (§8).
+      subtree: the key of the only params entry the optimizer trains (``"lora"``: the adapters,
+        the base frozen and never differentiated); `tx` then sees ``params[subtree]`` alone.
     """
 
     def __init__(self, policy: Policy, tx: optax.GradientTransformation, loss: LossConfig, *,
                  micro_batch_size: int, probe_size: int, sketch: SketchSpec | None,
-                 train_others: bool = True, kl_control: bool = False, return_updates: bool = False):
+                 train_others: bool = True, kl_control: bool = False, return_updates: bool = False,
+                 subtree: str | None = None):
         if micro_batch_size <= 0 or probe_size <= 0:
             raise ValueError(f"micro_batch_size and probe_size must be positive, got "
                              f"{micro_batch_size} and {probe_size}")
@@ -112,6 +115,9 @@ class PolicyUpdate:
         self.train_others = train_others
         self.kl_control = kl_control
         self.return_updates = return_updates
+        if subtree is not None and sketch is not None:
+            raise ValueError("subtree (LoRA) is a dense-gradient mode; it takes no SketchSpec")
+        self.subtree = subtree
         self._step = None
         self._sketch_shardings: dict[str, NamedSharding] = {}
         self._mesh = None
@@ -192,7 +198,13 @@ class PolicyUpdate:
 
         # What the gradient is taken of, as one dict: dense — {"params"}; LoGRA — the probes'
         # zero factors B (their gradients are the sketches) and, unless frozen, the non-targets.
-        if self.sketch is None:
+        if self.sketch is None and self.subtree is not None:
+            # LoRA: the adapters' gradient only; the frozen base is closed over, never differentiated.
+            wrt = {"params": params[self.subtree]}
+
+            def objective(wrt, mb):
+                return self._objective(dict(params, **{self.subtree: wrt["params"]}), None, mb)
+        elif self.sketch is None:
             wrt = {"params": params}
 
             def objective(wrt, mb):
@@ -261,8 +273,14 @@ class PolicyUpdate:
                                                others_frozen=frozen),
                 # NaN: no completed response this step, nothing observed (the EMA stays).
                 mismatch=jnp.where(mismatch_count > 0, mismatch, jnp.nan))
-        updates, opt_state = self.tx.update(grads, opt_state, params, **extra)
-        params, changed = apply_updates_counting_changes(params, updates)
+        if self.subtree is not None:
+            trained = params[self.subtree]
+            updates, opt_state = self.tx.update(grads, opt_state, trained, **extra)
+            params = dict(params, **{self.subtree: optax.apply_updates(trained, updates)})
+            changed = None
+        else:
+            updates, opt_state = self.tx.update(grads, opt_state, params, **extra)
+            params, changed = apply_updates_counting_changes(params, updates)
         if any(isinstance(u, LowRankUpdate) for _, u in leaves_with_paths(updates)):
             # Of the target entries, how many stored values this update changed: with bf16 weights
             # and round-to-nearest, what did not change is the part of the update that was lost.
