@@ -33,3 +33,18 @@ def shipped_tiny_trainer():
     from configs import tiny
     from logra_jax.rl import trainer as trainer_lib
     return trainer_lib.Trainer(tiny.get_config())
+
+
+@pytest.fixture(scope="session")
+def trained_tiny_run(shipped_tiny_trainer, tmp_path_factory):
+    """configs/tiny.py trained 2 steps (weights moved, checkpoint 2 written; every=2), as the
+    finished Run; tests read its workdir (``run.workdir``) and copy it before changing anything."""
+    from configs import tiny
+    from logra_jax.rl import trainer as trainer_lib
+    config = tiny.get_config()
+    config.max_steps = 2
+    run = trainer_lib.Run(config, tmp_path_factory.mktemp("trained"), trainer=shipped_tiny_trainer)
+    run.loop()
+    run.close()
+    assert (run.workdir / "checkpoints" / "2").is_dir()
+    return run

@@ -17,7 +17,6 @@ import pytest
 
 from configs import tiny
 from launch import train as train_cli
-from logra_jax.rl import trainer as trainer_lib
 from tiny_config import tiny_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -33,16 +32,9 @@ def _snapshot(workdir: pathlib.Path) -> dict[str, tuple[int, int, str]]:
 
 
 @pytest.fixture(scope="module")
-def trained(shipped_tiny_trainer, tmp_path_factory):
+def trained(trained_tiny_run):
     """The workdir of a real 2-step tiny run (weights moved, checkpoint 2 written)."""
-    workdir = tmp_path_factory.mktemp("trained")
-    config = tiny.get_config()
-    config.max_steps = 2
-    run = trainer_lib.Run(config, workdir, trainer=shipped_tiny_trainer)
-    run.loop()
-    run.close()
-    assert (workdir / "checkpoints" / "2").is_dir()
-    return workdir
+    return trained_tiny_run.workdir
 
 
 def _gsm8k_dir(tmp_path: pathlib.Path, train_lines: list[str]) -> str:

@@ -7,24 +7,15 @@ import jax
 import numpy as np
 import pytest
 
-from configs import tiny
 from logra_jax.export import export_run
-from logra_jax.rl import trainer as trainer_lib
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")
-def trained(shipped_tiny_trainer, tmp_path_factory):
-    """configs/tiny.py trained 2 steps (checkpoints at steps 2 only: every=2)."""
-    workdir = tmp_path_factory.mktemp("run")
-    config = tiny.get_config()
-    config.max_steps = 2
-    run = trainer_lib.Run(config, workdir, trainer=shipped_tiny_trainer)
-    run.loop()
-    run.close()
-    return workdir, run, shipped_tiny_trainer
+def trained(trained_tiny_run, shipped_tiny_trainer):
+    return trained_tiny_run.workdir, trained_tiny_run, shipped_tiny_trainer
 
 
 def test_an_exported_run_gives_transformers_our_logits(trained, tmp_path):
