@@ -7,6 +7,8 @@
 Writes into ``--out``:
   reward.png        reward per step of every run (and its running mean over --window steps)
   kl.png            predicted vs realized KL(π_old ‖ π_new) per step, for runs that log both
+  changed.png       fraction of target entries each update changed (logra/changed_fraction), for
+                    runs that log it: with bf16 weights, what rounding lets through
   memory.png        per-device bytes by kind (params, optimizer state, gradients, other
                     temporaries) for each optimizer of each `launch.memory --json` file
 """
@@ -98,6 +100,27 @@ def plot_kl(runs: dict[str, list[dict]], path: pathlib.Path) -> bool:
     return True
 
 
+def plot_changed(runs: dict[str, list[dict]], path: pathlib.Path) -> bool:
+    """Changed fraction of target entries per update, log scale; False when no run logs it."""
+    logged = {label: rows for label, rows in runs.items()
+              if all("logra/changed_fraction" in r for r in rows)}
+    if not logged:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, rows in logged.items():
+        ax.plot([r["step"] for r in rows], [r["logra/changed_fraction"] for r in rows], "o-", ms=3,
+                label=label)
+    ax.set_xlabel("step")
+    ax.set_ylabel("target entries changed by the update")
+    ax.set_yscale("symlog", linthresh=1e-4)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 MEMORY_PARTS = (("params", "params"), ("opt_state", "optimizer state"),
                 ("gradients", "gradients / sketches"), ("other", "other temporaries"))
 
@@ -154,6 +177,8 @@ def main(argv) -> None:
         written.append("reward.png")
         if plot_kl(runs, out / "kl.png"):
             written.append("kl.png")
+        if plot_changed(runs, out / "changed.png"):
+            written.append("changed.png")
     if reports:
         plot_memory(reports, out / "memory.png")
         written.append("memory.png")

@@ -47,7 +47,7 @@ def test_cli_writes_the_pngs_and_rejects_bad_input(tmp_path):
             row = {"reward": step / 4}
             if with_kl:
                 row.update({"logra/predicted_kl": 0.01, "logra/realized_kl": 0.011 * step,
-                            "logra/effective_budget": 0.01})
+                            "logra/effective_budget": 0.01, "logra/changed_fraction": 0.02})
             writer.write(step, row)
         writer.close()
     _memory_report(tmp_path / "m.json")
@@ -55,7 +55,7 @@ def test_cli_writes_the_pngs_and_rejects_bad_input(tmp_path):
     done = _run(f"--out={out}", f"--run=logra={tmp_path / 'logra'}",
                 f"--run=adamw={tmp_path / 'adamw'}", f"--memory=7b={tmp_path / 'm.json'}")
     assert done.returncode == 0, done.stderr
-    for name in ("reward.png", "kl.png", "memory.png"):
+    for name in ("reward.png", "kl.png", "changed.png", "memory.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
     bad = _run(f"--out={out}", "--run=nolabel")
     assert bad.returncode != 0 and "expects label=path" in bad.stderr
