@@ -102,3 +102,24 @@ def test_a_lora_run_exports_with_its_adapters_merged(tmp_path):
     with torch.no_grad():
         theirs = reference(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
     np.testing.assert_allclose(theirs, ours, atol=1e-4, rtol=0)
+
+
+def test_lora_syncs_its_adapters_only(tmp_path):
+    """LoRA with 4 training + 4 rollout devices and sync.mode=full: each message is the adapters
+    (bf16), nothing of the frozen base, and the engine ends on the trainer's bf16 weights bit for
+    bit — base and adapters."""
+    config = tiny_config({"optimizer": {"name": "lora", "lora": {"rank": 4, "learning_rate": 3e-2}},
+                          "max_steps": 2, "sync": {"mode": "full", "rollout_devices": 4}})
+    run = trainer_lib.Run(config, tmp_path)
+    run.loop()
+    run.close()
+    trained = _flat(run.params)
+    adapter_bytes = sum(v.size * 2 for p, v in trained.items() if p.startswith("lora/"))
+    rows = metrics.read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["logra/sync_bytes"] for r in rows] == [adapter_bytes] * 2
+    engine, initial = _flat(run.engine.params), _flat(run.trainer.initial_params)
+    assert engine.keys() == trained.keys()
+    for path, value in engine.items():
+        np.testing.assert_array_equal(value, trained[path].astype(jnp.bfloat16), err_msg=path)
+    assert any(not np.array_equal(engine[p], initial[p].astype(jnp.bfloat16))
+               for p in engine if p.endswith("/b"))

@@ -89,9 +89,6 @@ def validate(config: ml_collections.ConfigDict) -> None:
     if config.sync.mode == "factors" and config.optimizer.name != "logra":
         raise ValueError("sync.mode='factors' sends LoGRA's low-rank factors; optimizer.name="
                          f"{config.optimizer.name!r} has none (use full or sparse)")
-    if config.optimizer.name == "lora" and config.sync.mode != "off":
-        raise ValueError("optimizer.name='lora' runs with a colocated sampler (sync.mode='off') only "
-                         "for now: no sync mode sends adapters yet")
     if config.optimizer.name == "lora" and not (config.optimizer.lora.rank > 0
                                                 and config.optimizer.lora.alpha > 0):
         raise ValueError(f"optimizer.lora.rank and alpha must be positive, got "
@@ -222,6 +219,23 @@ def with_adapters(cfg: ml_collections.ConfigDict, params: dict) -> dict:
     return dict(params, **{LORA_KEY: {
         key: {name: place(x, kernels[kernel_path(key)]) for name, x in adapter.items()}
         for key, adapter in adapters.items()}})
+
+
+def with_adapter_shardings(params: dict, shardings: dict) -> dict:
+    """Model-param ``shardings`` (e.g. the rollout mesh's) plus the LoRA adapters' of ``params``,
+    each laid out like its kernel there (`sharding.sharded_like_matrix`)."""
+    if LORA_KEY not in params:
+        return shardings
+    by_path = dict(leaves_with_paths(shardings))
+    out = {}
+    flat = dict(leaves_with_paths(params))
+    for key, adapter in params[LORA_KEY].items():
+        kernel = jax.ShapeDtypeStruct(flat[kernel_path(key)].shape, flat[kernel_path(key)].dtype,
+                                      sharding=by_path[kernel_path(key)])
+        out[key] = {name: sharding_lib.sharded_like_matrix(x.shape, kernel)
+                    or NamedSharding(kernel.sharding.mesh, PartitionSpec())
+                    for name, x in adapter.items()}
+    return dict(shardings, **{LORA_KEY: out})
 
 
 def build_optimizer(cfg: ml_collections.ConfigDict) -> Optimizer:

@@ -21,6 +21,7 @@ import math
 import numpy as np
 
 from logra_jax.optim.targets import SketchSpec
+from logra_jax.optim.lora import LORA_KEY
 from logra_jax.tree_paths import leaves_with_paths
 
 INDEX_BYTES = 4        # int32 flat index of a sparse entry; also the update index k
@@ -31,9 +32,12 @@ def trainable_paths(params, sketch: SketchSpec | None, train_others: bool = True
     """Paths of the leaves an update can change, in tree order.
 
     A dense optimizer (``sketch`` None) trains everything; ``train_others=False`` (the KL variant's
-    frozen non-targets) keeps only the targets.
+    frozen non-targets) keeps only the targets. Params holding LoRA adapters train those alone
+    (the base is frozen): their syncs send adapters only, LoRA's native sync.
     """
     paths = [path for path, _ in leaves_with_paths(params)]
+    if LORA_KEY in params:
+        return [p for p in paths if p.startswith(LORA_KEY + "/")]
     if sketch is None:
         return paths
     targets = sketch.find_targets(params)  # raises if the pattern matches nothing

@@ -62,8 +62,9 @@ class Trainer:
                          config.sync.mode)
         model, self.tokenizer = build.build_model(config.model, self.mesh)
         self.policy = Policy(model, lora_scale=build.lora_scale(config.optimizer))
-        self.rollout_shardings = sync.rollout_shardings(model, self.rollout_mesh)
         params = build.with_adapters(config.optimizer, Policy.params_of(model))   # + LoRA's
+        self.rollout_shardings = build.with_adapter_shardings(
+            params, sync.rollout_shardings(model, self.rollout_mesh))
         del model
         # The devices hold one copy of the weights during training: the policy's. The initial
         # weights (the start of every Run of this Trainer) wait on the host, and the frozen
