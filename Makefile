@@ -28,11 +28,8 @@ install: $(VENV)/.installed
 train: $(VENV)/.installed
 	$(BIN)/python -m launch.train --config $(CONFIG) --workdir $(WORKDIR)
 
-# Two workers, whole files each (module fixtures compile once); TESTFLAGS= runs them serially.
-TESTFLAGS ?= -n 2 --dist loadfile
-
 test: $(VENV)/.installed-test
-	$(BIN)/python -m pytest -q $(TESTFLAGS) tests
+	$(BIN)/python -m pytest -q tests
 
 clean:
 	rm -rf $(VENV) runs

@@ -5,11 +5,6 @@ import os
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-if "PYTEST_XDIST_WORKER" in os.environ:
-    # Parallel workers (make test runs two): tfds' default cache would be prepared by two processes
-    # at once; each worker gets its own (before tensorflow_datasets reads the variable at import).
-    import tempfile
-    os.environ["TFDS_DATA_DIR"] = tempfile.mkdtemp(prefix=f"tfds-{os.environ['PYTEST_XDIST_WORKER']}-")
 
 import pathlib  # noqa: E402
 

@@ -5,7 +5,6 @@ LoRA run exports with its adapters merged."""
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from optax.contrib import galore
 
@@ -74,10 +73,10 @@ def test_trains_checkpoints_and_resumes_bit_exactly(name, tmp_path):
         resumed.close()
     for path, value in _flat(resumed.params).items():
         np.testing.assert_array_equal(value, end[path], err_msg=path)
-    assert jax.tree.all(jax.tree.map(np.array_equal, jax.device_get(straight.opt_state),
-                                     jax.device_get(resumed.opt_state)))
+    state = jax.device_get(resumed.opt_state)
+    assert jax.tree.all(jax.tree.map(np.array_equal, jax.device_get(straight.opt_state), state))
     assert [r["step"] for r in metrics.read_jsonl(tmp_path / "resumed" / "metrics.jsonl")] == [1, 2]
-    assert optax.tree.norm(resumed.opt_state) > 0
+    assert any(np.any(np.asarray(x) != 0) for x in jax.tree.leaves(state))   # the state moved too
 
 
 def test_a_lora_run_exports_with_its_adapters_merged(tmp_path):
