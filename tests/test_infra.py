@@ -99,5 +99,6 @@ def test_config_defaults_equal_the_librarys():
 
 def test_a_key_of_a_subsection_is_suggested():
     from configs import base
-    with pytest.raises(ValueError, match=r"did you mean optimizer\.logra\.rank\?"):
+    with pytest.raises(ValueError, match=r"did you mean optimizer\.galore\.rank or optimizer\.logra\.rank or "
+                                         r"optimizer\.lora\.rank\?"):
         config_lib.check_overrides(base.get_config(), ["optimizer.rank"])

@@ -165,7 +165,8 @@ def tiny_grpo():
     model, tokenizer = build.build_model(config.model, train_mesh)
     policy = Policy(model)
     params = Policy.params_of(model)
-    tx, sketch, train_others, kl_control, _ = optimizer = build.build_optimizer(config.optimizer)
+    optimizer = build.build_optimizer(config.optimizer)
+    tx, sketch, train_others = optimizer.tx, optimizer.sketch, optimizer.train_others
     step = build.build_policy_update(config, policy, optimizer=optimizer, return_updates=True)
     sampler = build.build_sampler(rl, policy, tokenizer)
     data = build.build_data(config.data, config.seed)
