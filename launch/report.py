@@ -73,6 +73,18 @@ def plot_rewards(runs: dict[str, list[dict]], window: int, path: pathlib.Path) -
     plt.close(fig)
 
 
+def _save_per_step_log_plot(fig, ax, ylabel: str, path: pathlib.Path) -> None:
+    """Per-step axes on a symlog scale (values span decades, zero included), saved and closed."""
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
+    ax.set_yscale("symlog", linthresh=1e-4)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def plot_kl(runs: dict[str, list[dict]], path: pathlib.Path) -> bool:
     """Predicted vs realized KL; False (no file) when no run logs both."""
     with_kl = {label: rows for label, rows in runs.items()
@@ -89,14 +101,7 @@ def plot_kl(runs: dict[str, list[dict]], path: pathlib.Path) -> bool:
         if "logra/effective_budget" in rows[0]:
             ax.plot(steps, [r["logra/effective_budget"] for r in rows], ":", color="gray",
                     label=f"{label}: budget")
-    ax.set_xlabel("step")
-    ax.set_ylabel("KL(π_old ‖ π_new) per token")
-    ax.set_yscale("symlog", linthresh=1e-4)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save_per_step_log_plot(fig, ax, "KL(π_old ‖ π_new) per token", path)
     return True
 
 
@@ -110,14 +115,7 @@ def plot_changed(runs: dict[str, list[dict]], path: pathlib.Path) -> bool:
     for label, rows in logged.items():
         ax.plot([r["step"] for r in rows], [r["logra/changed_fraction"] for r in rows], "o-", ms=3,
                 label=label)
-    ax.set_xlabel("step")
-    ax.set_ylabel("target entries changed by the update")
-    ax.set_yscale("symlog", linthresh=1e-4)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save_per_step_log_plot(fig, ax, "target entries changed by the update", path)
     return True
 
 
