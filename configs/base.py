@@ -37,6 +37,17 @@ def use_reference_batch(c: ml_collections.ConfigDict, micro_batch_size: int) -> 
     return c
 
 
+def use_model_shape(c: ml_collections.ConfigDict, shape: str, *, param_dtype: str = "float32",
+                    fsdp: int = 8, rollout_devices: int = 0) -> ml_collections.ConfigDict:
+    """A memory plan of a published shape (``model.source="shape:<shape>"``, no weights) as the
+    large runs are laid out: bf16 compute, per-layer remat, an FSDP-only training mesh of ``fsdp``
+    devices (-1: all that are left), the sampler colocated (0) or on ``rollout_devices`` of its own."""
+    c.model.update(source=f"shape:{shape}", dtype="bfloat16", param_dtype=param_dtype, remat=True)
+    c.mesh.update(fsdp=fsdp, tensor=1)
+    c.sync.rollout_devices = rollout_devices
+    return c
+
+
 def use_logra_variant(c: ml_collections.ConfigDict, name: str) -> ml_collections.ConfigDict:
     optimizer, rl = LOGRA_VARIANTS[name]
     c.optimizer.name = "logra"

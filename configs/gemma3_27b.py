@@ -12,13 +12,8 @@ from configs import base
 
 def get_config():
     c = base.get_config()
-    c.model.source = "shape:gemma3_27b"
-    c.model.dtype = "bfloat16"
-    c.model.param_dtype = "float32"
-    c.model.remat = True
-    c.mesh.fsdp = 8
-    c.mesh.tensor = 1
-    c.sync.rollout_devices = 0         # colocated: sampler and KV cache live on the training devices
+    # colocated: sampler and KV cache live on the training devices
+    base.use_model_shape(c, "gemma3_27b", fsdp=8)
 
     base.use_reference_batch(c, micro_batch_size=8)   # 1 sequence per device per micro-step
     c.rl.beta = 0.01

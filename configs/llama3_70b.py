@@ -17,13 +17,8 @@ from configs import base
 
 def get_config():
     c = base.get_config()
-    c.model.source = "shape:llama3_1_70b"
-    c.model.dtype = "bfloat16"
-    c.model.param_dtype = "bfloat16"
-    c.model.remat = True
-    c.mesh.fsdp = 8
-    c.mesh.tensor = 1
-    c.sync.rollout_devices = 0         # colocated, sync.mode "off": the sampler reads the params
+    # colocated, sync.mode "off": the sampler reads the bf16 params themselves
+    base.use_model_shape(c, "llama3_1_70b", param_dtype="bfloat16", fsdp=8)
 
     base.use_reference_batch(c, micro_batch_size=8)   # 1 sequence per device per micro-step
     c.rl.beta = 0.0

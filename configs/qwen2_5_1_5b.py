@@ -10,13 +10,7 @@ from configs import base
 
 def get_config():
     c = base.get_config()
-    c.model.source = "shape:qwen2_5_1_5b"
-    c.model.dtype = "bfloat16"
-    c.model.param_dtype = "float32"
-    c.model.remat = True
-    c.mesh.fsdp = -1
-    c.mesh.tensor = 1
-    c.sync.rollout_devices = 0
+    base.use_model_shape(c, "qwen2_5_1_5b", fsdp=-1)
 
     c.data.prompts_per_step = 4
     c.rl.num_generations = 2

@@ -17,13 +17,7 @@ from configs import base
 def get_config():
     c = base.get_config()
     c.max_steps = 100
-    c.model.source = "shape:qwen2_5_7b"
-    c.model.dtype = "bfloat16"
-    c.model.param_dtype = "float32"
-    c.model.remat = True
-    c.mesh.fsdp = 4                    # the 4 training devices
-    c.mesh.tensor = 1
-    c.sync.rollout_devices = 4
+    base.use_model_shape(c, "qwen2_5_7b", fsdp=4, rollout_devices=4)   # 4 train + 4 roll out
 
     base.use_reference_batch(c, micro_batch_size=4)   # 1 sequence per training device per micro-step
     c.data.instruction = "Let's think step by step and output the final answer within \\boxed{}."
