@@ -1,8 +1,8 @@
 """Every key a run can set, with the reference defaults; the named configs override a few.
 
 Sections: model, mesh, data, rl (TRL/Tunix names), optimizer (name + one section per optimizer,
-keyed like its function's arguments), sync, checkpoint, log. A command-line ``--config.a.b=v``
-must name a key defined here.
+keyed like its function's arguments), sync, distributed, checkpoint, log. A command-line
+``--config.a.b=v`` must name a key defined here.
 """
 
 import ml_collections
@@ -172,6 +172,14 @@ def get_config() -> ml_collections.ConfigDict:
         dtype="bfloat16",      # the engine's weights
     ))
 
+    # More than one process (logra_jax/distributed.py, launch/local_cluster.sh): empty = one process.
+    c.distributed = ml_collections.ConfigDict(dict(
+        coordinator_address="",   # process 0's "host:port"; "auto": JAX reads the cluster (SLURM, TPU)
+        num_processes=0,
+        process_id=-1,
+        initialization_timeout=300,   # s for every process to join; then the waiting ones stop
+        heartbeat_timeout=100,        # s of silence after which a process counts as dead
+    ))
     c.checkpoint = ml_collections.ConfigDict(dict(every=10, keep=2))
     c.log = ml_collections.ConfigDict(dict(tensorboard=True, progress=True, sample_every=10))
     return c

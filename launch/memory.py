@@ -2,7 +2,7 @@
 
     python -m launch.memory --config configs/qwen2_5_7b_gsm8k.py [--mesh fsdp=4,tensor=1] \
         [--optimizer logra|adamw|adafactor|galore] [--compare adamw[,adafactor,galore,logra:fp32,...]] [--micro_steps N] \
-        [--rollout_devices N] [--explain 15] [--json out.json] [--config.key=value ...]
+        [--rollout_devices N] [--hosts H] [--explain 15] [--json out.json] [--config.key=value ...]
 
 The trainer's jitted update is compiled for the config's model shape on simulated CPU devices
 (abstract inputs: nothing is allocated, 7B and 27B shapes compile in about a minute) and XLA's
@@ -15,6 +15,9 @@ weights and moments (bf16-weight AdamW is not offered). Each extra column ends i
     peak per device: logra X GiB, adamw Y GiB, ratio Z        (Z = X / Y, update peaks)
 
 ``--explain N`` also lists the N largest buffers live at each peak, as XLA names them.
+``--hosts H`` plans a mesh that spans H hosts (``--mesh fsdp=16 --hosts 2``: 2 × 8 GPUs): a device's
+memory does not depend on which process drives it, so the table is per device as always, and the
+header adds each host's share.
 """
 
 import math
@@ -63,6 +66,7 @@ _MICRO_STEPS = flags.DEFINE_integer("micro_steps", None,
 _ROLLOUT = flags.DEFINE_integer("rollout_devices", None,
                                 "Devices of the rollout engine; 0 = colocated with training "
                                 "(default: config.sync.rollout_devices, else 0).")
+_HOSTS = flags.DEFINE_integer("hosts", 1, "Hosts the training mesh spans (its devices split evenly).")
 _EXPLAIN = flags.DEFINE_integer("explain", 0, "List the N largest buffers live at each peak.")
 _NO_LICM = flags.DEFINE_bool("no_licm", False,
                              "Disable XLA's loop-invariant code motion for every column: on CPU it "
@@ -94,7 +98,15 @@ def rollout_devices_of(config, flag_value) -> int:
     return int(value)
 
 
-def measure(config, cols, mesh_sizes, rollout_devices, micro_steps, explain, hoist=True):
+def devices_per_host(mesh_size: int, hosts: int) -> int:
+    """Each host's share of a ``mesh_size``-device mesh; hosts must split it evenly."""
+    if hosts < 1 or mesh_size % hosts:
+        raise ValueError(f"--hosts {hosts}: the training mesh's {mesh_size} devices must split "
+                         f"evenly over the hosts (e.g. --mesh fsdp=16 --hosts 2)")
+    return mesh_size // hosts
+
+
+def measure(config, cols, mesh_sizes, rollout_devices, micro_steps, explain, hoist=True, hosts=1):
     import jax
     from logra_jax import memory
     from logra_jax.rl.build import build_mesh
@@ -104,6 +116,7 @@ def measure(config, cols, mesh_sizes, rollout_devices, micro_steps, explain, hoi
         raise ValueError(f"rollout_devices={rollout_devices} leaves no training device of {len(devices)}")
     training_devices = devices[:len(devices) - rollout_devices] if rollout_devices else devices
     mesh = build_mesh(mesh_sizes, training_devices, spare_devices=True)
+    devices_per_host(mesh.size, hosts)  # before minutes of compiling
     rollout = (build_mesh({"fsdp": rollout_devices, "tensor": 1},
                           devices[len(devices) - rollout_devices:])
                if rollout_devices else mesh)
@@ -138,13 +151,15 @@ def main(argv):
         rollout_devices = rollout_devices_of(config, _ROLLOUT.value)
         mesh, steps, loops, breakdowns = measure(config, cols, mesh_sizes, rollout_devices,
                                                  _MICRO_STEPS.value, _EXPLAIN.value,
-                                                 hoist=not _NO_LICM.value)
+                                                 hoist=not _NO_LICM.value, hosts=_HOSTS.value)
+        per_host = devices_per_host(mesh.size, _HOSTS.value)
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"error: {e}")
 
     rl = config.rl
+    hosts = f" = {_HOSTS.value} hosts × {per_host} devices" if _HOSTS.value > 1 else ""
     print(f"model {config.model.source} ({config.model.param_dtype} weights, {config.model.dtype} compute, "
-          f"remat={config.model.remat}); training mesh {dict(mesh.shape)}; "
+          f"remat={config.model.remat}); training mesh {dict(mesh.shape)}{hosts}; "
           f"{steps[0].micro_steps} micro-step(s) of {rl.micro_batch_size} rows × "
           f"{rl.max_prompt_length + rl.max_completion_length} tokens; rollout: "
           f"{'colocated' if loops[0].colocated else f'{loops[0].rollout_devices} own devices'}")
@@ -154,7 +169,7 @@ def main(argv):
         for label, size in entries[:_EXPLAIN.value]:
             print(f"  {size / 2**20:>9.1f}  {label}")
     if _JSON.value:
-        payload = {"mesh": dict(mesh.shape), "loop": loops[0].__dict__,
+        payload = {"mesh": dict(mesh.shape), "hosts": _HOSTS.value, "loop": loops[0].__dict__,
                    "loops": {s.optimizer: loop.__dict__ for s, loop in zip(steps, loops)},
                    "steps": [dict(s.__dict__, peak=s.peak) for s in steps],
                    "footprint": {s.optimizer: memory.rl_footprint(s, loop)

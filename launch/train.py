@@ -4,7 +4,9 @@
         [--config.max_steps=20] [--config.optimizer.name=adamw] ...
 
 The workdir receives metrics.jsonl, TensorBoard events and orbax checkpoints; running the same
-command again resumes from the latest complete checkpoint.
+command again resumes from the latest complete checkpoint. On several hosts every one runs the
+same command with its ``--config.distributed.*`` (README "More than one machine";
+``bash launch/local_cluster.sh N python -m launch.train ...`` tries it on one machine).
 """
 
 import sys
@@ -27,6 +29,11 @@ flags.mark_flags_as_required(["config", "workdir"])
 def run(config, workdir: str) -> None:
     """Builds and trains; bad input, a refused resume or a diverged run end as one ``error:`` line
     and exit status 1 (SystemExit), a SIGTERM / SIGINT as one ``stopped:`` line and 128 + signum."""
+    from logra_jax import distributed
+    try:
+        distributed.initialize(config.distributed)  # before any jax computation
+    except ValueError as e:
+        sys.exit(f"error: {e}")
     from logra_jax.rl import trainer  # imports jax: after the flags are parsed
     try:
         job = trainer.Run(config, workdir)

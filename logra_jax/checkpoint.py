@@ -2,6 +2,8 @@
 
 A checkpoint is two items: ``state``, any pytree of arrays restored onto the shardings of an
 abstract target, and ``meta``, a JSON dict (step, data-iterator position, scalars of the RL loop).
+With several processes every one of them calls save and restore: orbax writes each shard from the
+process that holds it and the JSON from process 0, so the workdir must be on a shared filesystem.
 Orbax writes to a temporary folder and renames on completion, so `latest_step` only ever sees
 complete checkpoints; the last ``keep`` are kept. A checkpoint damaged afterwards (a truncated or
 deleted file) is set aside by `restore_latest`, which resumes from the newest one that restores.
@@ -16,6 +18,8 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 from absl import logging
+
+from logra_jax import distributed
 
 
 @contextlib.contextmanager
@@ -87,10 +91,12 @@ class Checkpointer:
                 continue
             for bad, reason in failures:
                 aside = self.directory / f"{bad}.damaged"
-                (self.directory / str(bad)).rename(aside)
+                if jax.process_index() == 0:  # one process renames; the others wait for it
+                    (self.directory / str(bad)).rename(aside)
                 logging.warning("checkpoint %d cannot be restored (%s); moved to %s, resuming from "
                                 "checkpoint %d", bad, reason, aside, step)
             if failures:
+                distributed.barrier("checkpoint damaged set aside")
                 with _quiet():
                     self._manager.reload()
             return step, state, meta
@@ -104,10 +110,13 @@ class Checkpointer:
     def restore_params(self, step: int, abstract_params: Any) -> Any:
         """The params of a saved ``(params, opt_state)``, whatever optimizer state was saved with
         them (evaluating runs of several optimizers with one model), laid out like
-        ``abstract_params``. The saved tree is read as saved, optimizer state included."""
+        ``abstract_params``. The saved tree is read as saved, optimizer state included; one saved
+        on other devices (another mesh, or the processes of a multi-host run) is read into host
+        memory first (the CPU device), then placed."""
+        host = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
         with _quiet():
             restored = self._manager.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore()))
+                state=ocp.args.StandardRestore(fallback_sharding=host)))
         state = restored["state"]
         if not isinstance(state, (list, tuple)) or len(state) != 2:
             raise ValueError(f"{self.directory} step {step} does not hold (params, opt_state)")

@@ -92,8 +92,9 @@ def check_overrides(config: ml_collections.ConfigDict, keys: Sequence[str]) -> N
             walked.append(part)
 
 
-# Keys a resumed run may change: they do not change what the saved state means.
-RESUMABLE_CHANGES = ("max_steps", "log.", "checkpoint.every", "checkpoint.keep")
+# Keys a resumed run may change: they do not change what the saved state means. The process layout
+# is one of them (each process of a run has its own process_id; the checkpoint holds global arrays).
+RESUMABLE_CHANGES = ("max_steps", "log.", "checkpoint.every", "checkpoint.keep", "distributed.")
 
 
 def flatten(tree: dict, prefix: str = "") -> dict[str, object]:

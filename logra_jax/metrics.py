@@ -53,27 +53,31 @@ class MetricsWriter:
     """
 
     def __init__(self, workdir: str | pathlib.Path, *, total_steps: int, start_step: int = 0,
-                 tensorboard: bool = True, progress: bool = True):
+                 tensorboard: bool = True, progress: bool = True, files: bool = True):
+        """``files=False``: rows are only formatted and returned (every process but the first of
+        a multi-process run: one metrics.jsonl, one event file, one progress bar)."""
         self.workdir = pathlib.Path(workdir)
-        self.workdir.mkdir(parents=True, exist_ok=True)
         self.path = self.workdir / "metrics.jsonl"
+        self._file = self._tb = self._bar = None
+        if not files:
+            return
+        self.workdir.mkdir(parents=True, exist_ok=True)
         if self.path.exists():
             kept = [row for row in read_jsonl(self.path) if row.get("step", 0) <= start_step]
             self.path.write_text("".join(json.dumps(row) + "\n" for row in kept))
         self._file = open(self.path, "a")
-        self._tb = None
         if tensorboard:
             from tensorboardX import SummaryWriter  # heavy import, only when asked for
             self._tb = SummaryWriter(str(self.workdir / "tensorboard"))
-        self._bar = None
         if progress:
             from tqdm import tqdm
             self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
 
     def write(self, step: int, metrics: Mapping[str, object]) -> dict:
         row = {"step": int(step), **to_python(metrics)}
-        self._file.write(json.dumps(row) + "\n")
-        self._file.flush()
+        if self._file is not None:
+            self._file.write(json.dumps(row) + "\n")
+            self._file.flush()
         if self._tb is not None:
             for name, value in row.items():
                 if name != "step" and isinstance(value, (int, float)) and math.isfinite(value):
@@ -86,7 +90,8 @@ class MetricsWriter:
         return row
 
     def close(self) -> None:
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
         if self._tb is not None:
             self._tb.close()
         if self._bar is not None:

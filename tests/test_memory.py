@@ -48,7 +48,7 @@ def report(tmp_path_factory):
     env.pop("XLA_FLAGS", None)  # the CLI sets its own device count
     proc = subprocess.run(
         [sys.executable, "-m", "launch.memory", "--config", "configs/tiny.py", "--mesh",
-         "fsdp=4,tensor=2", "--compare", "adamw", "--micro_steps", "2", "--explain", "8",
+         "fsdp=4,tensor=2", "--hosts", "2", "--compare", "adamw", "--micro_steps", "2", "--explain", "8",
          "--json", str(out), "--config.rl.beta=0.04"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -208,6 +208,20 @@ def test_cli_rejects_a_malformed_mesh():
                           timeout=300)
     assert proc.returncode != 0
     assert "error: --mesh 'fsdp=four'" in proc.stderr
+
+
+def test_a_mesh_over_several_hosts_is_planned_per_device_and_hosts_must_split_it(report):
+    stdout, numbers = report
+    assert "training mesh {'fsdp': 4, 'tensor': 2} = 2 hosts × 4 devices" in stdout
+    assert numbers["hosts"] == 2
+    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run([sys.executable, "-m", "launch.memory", "--config", "configs/tiny.py",
+                           "--mesh", "fsdp=8,tensor=1", "--hosts", "3"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        "error: --hosts 3: the training mesh's 8 devices must split evenly")
 
 
 def test_columns_per_weight_dtype_and_a_sampler_sharing_bf16_weights():

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
+from logra_jax import host_arrays
 from logra_jax.data import SubsetSource, format_prompt
 from logra_jax.rl import rewards, sync
 from logra_jax.rl.policy import Sequences
@@ -61,11 +62,15 @@ class Grader:
 
 @dataclasses.dataclass
 class Rollouts:
+    """A step's completions: the arrays are global (every row, on the mesh); ``texts`` and
+    ``golds`` are this process's ``rows`` only, which is all of them with one process."""
+
     seqs: Sequences
     rollout_logp: jax.Array
     completed: jax.Array
     texts: list[str]
     golds: list[str]
+    rows: slice
 
 
 def prompt_text(example, tokenizer, spec: RolloutSpec) -> str:
@@ -96,20 +101,40 @@ def fit_prompt_window(source, tokenizer, spec: RolloutSpec, *, skip_long: bool):
                         f"prompts of ≤ {spec.max_prompt_length} tokens")
 
 
+def process_prompts(batch_sharding, num_prompts: int, num_generations: int) -> slice:
+    """The prompts of a step whose rows this process samples and grades: its rows of the batch
+    (`host_arrays.process_rows`) must be whole groups, since a group's rows are one prompt's."""
+    rows = host_arrays.process_rows(batch_sharding, num_prompts * num_generations)
+    if rows.start % num_generations or rows.stop % num_generations:
+        raise ValueError(f"this process holds rows {rows.start}–{rows.stop - 1} of the "
+                         f"{num_prompts * num_generations}-row batch, which splits a group of "
+                         f"rl.num_generations={num_generations}: make data.prompts_per_step="
+                         f"{num_prompts} a multiple of the number of processes "
+                         f"({jax.process_count()})")
+    return slice(rows.start // num_generations, rows.stop // num_generations)
+
+
 def collect_rollouts(sampler: Sampler, params, tokenizer, examples, spec: RolloutSpec, rng,
                      batch_sharding) -> Rollouts:
-    """Samples ``num_generations`` completions per prompt (rows of a group are adjacent)."""
-    ids = [ids for ex in examples
-           for ids in [tokenizer.encode(prompt_text(ex, tokenizer, spec))] * spec.num_generations]
+    """Samples ``num_generations`` completions per prompt (rows of a group are adjacent).
+
+    ``examples`` are the step's prompts, the same on every process; each process encodes and
+    decodes only its own (`process_prompts`), and the sampler runs once over the global batch.
+    """
+    g = spec.num_generations
+    mine = process_prompts(batch_sharding, len(examples), g)
+    local = examples[mine]
+    ids = [ids for ex in local for ids in [tokenizer.encode(prompt_text(ex, tokenizer, spec))] * g]
     tokens, mask = pad_prompts(ids, spec.max_prompt_length, sampler.pad_id)
-    tokens, mask = jax.device_put((tokens, mask), batch_sharding)
+    tokens, mask = host_arrays.from_process_rows((tokens, mask), batch_sharding, len(examples) * g)
     out = sampler.generate(params, tokens, mask, rng, temperature=spec.temperature,
                            top_p=spec.top_p, top_k=spec.top_k)
     seqs = Sequences.from_sample(out.prompt_tokens, out.prompt_mask, out.tokens, out.mask)
-    texts = decode_completions(tokenizer, np.asarray(out.tokens), np.asarray(out.mask), sampler.eos_ids)
-    golds = [ex["answer"] for ex in examples for _ in range(spec.num_generations)]
+    texts = decode_completions(tokenizer, host_arrays.local_rows(out.tokens),
+                               host_arrays.local_rows(out.mask), sampler.eos_ids)
+    golds = [ex["answer"] for ex in local for _ in range(g)]
     return Rollouts(seqs=seqs, rollout_logp=out.logprobs, completed=out.finished, texts=texts,
-                    golds=golds)
+                    golds=golds, rows=slice(mine.start * g, mine.stop * g))
 
 
 class RolloutSource(Protocol):

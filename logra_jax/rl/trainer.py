@@ -32,13 +32,15 @@ from absl import logging
 
 from logra_jax import checkpoint as checkpoint_lib
 from logra_jax import config as config_lib
+from logra_jax import distributed, host_arrays
 from logra_jax import metrics as metrics_lib
 from logra_jax import sharding as sharding_lib
 from logra_jax.optim import logra_metrics, skip_metrics
 from logra_jax.optim.low_rank import all_finite
 from logra_jax.rl import build, sync
 from logra_jax.rl.policy import Policy, Sequences
-from logra_jax.rl.rollout import Rollouts, RolloutSource, collect_rollouts, rollout_source
+from logra_jax.rl.rollout import (Rollouts, RolloutSource, collect_rollouts, process_prompts,
+                                  rollout_source)
 from logra_jax.rl.update import TrainBatch
 
 
@@ -47,6 +49,11 @@ class Trainer:
 
     def __init__(self, config: ml_collections.ConfigDict):
         build.validate(config)
+        distributed.check_joined(config.distributed)
+        if jax.process_count() > 1 and config.sync.rollout_devices:
+            raise ValueError(f"sync.rollout_devices={config.sync.rollout_devices} with "
+                             f"{jax.process_count()} processes: a sampler on its own devices runs "
+                             f"in one process only for now; colocate it (sync.rollout_devices=0)")
         self.config = config
         self.optimizer = build.build_optimizer(config.optimizer)  # before the model: fails fast
         self.tx, self.sketch = self.optimizer.tx, self.optimizer.sketch
@@ -72,7 +79,7 @@ class Trainer:
         # layer casts its weights to that dtype anyway, so its log-probs are unchanged (fp32
         # master weights would cost 4 instead of 2 bytes per parameter at bf16 compute).
         self.param_shardings = jax.tree.map(lambda x: x.sharding, params)
-        self.initial_params = jax.device_get(params)
+        self._initial = host_arrays.HostShards(params)  # each process: its own shards only
         compute = jnp.dtype(config.model.dtype)
         self.reference_params = (
             jax.jit(lambda p: jax.tree.map(lambda x: x.astype(compute) if jnp.issubdtype(
@@ -87,6 +94,8 @@ class Trainer:
         rows = config.data.prompts_per_step * config.rl.num_generations
         self.batch_sharding = sharding_lib.batch_sharding(self.mesh, rows)
         self.rollout_batch_sharding = sharding_lib.batch_sharding(self.rollout_mesh, rows)
+        for batch_sharding in (self.batch_sharding, self.rollout_batch_sharding):  # whole groups
+            process_prompts(batch_sharding, config.data.prompts_per_step, config.rl.num_generations)
         self._ref_logprobs = jax.jit(self._ref_logprobs_impl)
         self.params_finite = jax.jit(all_finite)
         self.weight_norm = jax.jit(optax.tree.norm)
@@ -103,9 +112,14 @@ class Trainer:
         logp, _ = self.policy.completion_logprobs(ref_params, seqs, temperature=self.config.rl.temperature)
         return logp
 
+    @property
+    def initial_params(self):
+        """The initial weights as numpy (one process: tests and tools read them)."""
+        return self._initial.to_numpy()
+
     def init_state(self):
         """(params, opt_state) at the initial weights, on the training devices."""
-        params = jax.device_put(self.initial_params, self.param_shardings)
+        params = self._initial.to_devices(self.param_shardings)
         return params, self._init_opt(params)
 
     def rollout_source(self, params) -> RolloutSource:
@@ -169,12 +183,14 @@ def _timed(times: dict[str, float], name: str):
 
 def step_row(t: Trainer, step: int, update_metrics, r: np.ndarray, ro: Rollouts, opt_state,
              times: dict[str, float]) -> dict[str, Any]:
-    """The metrics row of one step: the update's, the rollouts', the optimizer's and the clocks."""
-    lengths = np.asarray(ro.seqs.completion_mask).sum(axis=1)
+    """The metrics row of one step: the update's, the rollouts', the optimizer's and the clocks;
+    ``r``: every row's reward. The same on every process."""
+    mask, completed = host_arrays.to_host((ro.seqs.completion_mask, ro.completed))
+    lengths = mask.sum(axis=1)
     row = dict(update_metrics, reward=float(r.mean()), reward_std=float(r.std()),
                accuracy=float(np.mean(r >= 1.0)),
                **{"completions/mean_length": float(lengths.mean()),
-                  "completions/clipped_ratio": float(1.0 - np.asarray(ro.completed).mean())},
+                  "completions/clipped_ratio": float(1.0 - completed.mean())},
                **times)
     row.update(jax.device_get(logra_metrics(opt_state) if t.sketch is not None
                               else skip_metrics(opt_state)))
@@ -227,8 +243,8 @@ class Run:
                                  f"{', '.join(changed)} changed (see {path}); resume with the "
                                  f"original values or start a new workdir")
             return
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(current, indent=1) + "\n")
+        if distributed.is_primary():
+            path.write_text(json.dumps(current, indent=1) + "\n")
 
     def _start(self):
         """(params, opt_state, step, baseline): the newest intact checkpoint, else the start."""
@@ -256,28 +272,33 @@ class Run:
         rollouts = t.rollout_source(params)
         writer = metrics_lib.MetricsWriter(self.workdir, total_steps=config.max_steps, start_step=step,
                                            tensorboard=config.log.tensorboard,
-                                           progress=config.log.progress)
+                                           progress=config.log.progress,
+                                           files=distributed.is_primary())
         base_rng = jax.random.PRNGKey(config.seed)
         with _StopRequest() as stop:
             try:
-                last, step, params, opt_state = self._steps(
+                last, step, params, opt_state, stopped = self._steps(
                     stop, step, params, opt_state, baseline, rollouts, writer, base_rng)
             finally:
                 writer.close()
         self.params, self.opt_state = params, opt_state
         self.engine = getattr(rollouts, "engine", None)
-        if stop.signum is not None:
-            raise Preempted(f"stopped by {signal.Signals(stop.signum).name} after step {step}; "
-                            f"checkpoint {step} is in {self.ckpt.directory}, and the same command "
-                            f"resumes from it", stop.signum)
+        if stopped:
+            signum = stop.signum or signal.SIGTERM  # another process was the one signalled
+            how = (f"by {signal.Signals(signum).name}" if stop.signum else
+                   "because another process was stopped")
+            raise Preempted(f"stopped {how} after step {step}; checkpoint {step} is in "
+                            f"{self.ckpt.directory}, and the same command resumes from it", signum)
         return last
 
     def _steps(self, stop, step, params, opt_state, baseline, rollouts, writer, base_rng):
-        """The steps from ``step`` to max_steps (or to a stop request): the five of the docstring."""
+        """The steps from ``step`` to max_steps (or to a stop request on any process): the five of
+        the docstring. Returns (last row, step, params, opt_state, stopped)."""
         config, t, data, ckpt = self.config, self.trainer, self.data, self.ckpt
         last: dict[str, Any] = {}
         skipped_in_a_row = 0
-        while step < config.max_steps and stop.signum is None:
+        stopped = False
+        while step < config.max_steps and not stopped:
             step += 1
             times: dict[str, float] = {}
             rng = jax.random.fold_in(base_rng, step)  # a pure function of the step: resume-exact
@@ -289,9 +310,11 @@ class Run:
                 ro.seqs, ro.rollout_logp, ro.completed = jax.device_put(
                     (ro.seqs, ro.rollout_logp, ro.completed), t.batch_sharding)
 
-            # 2. Rewards and advantages.
+            # 2. Rewards (each process grades its own rows) and advantages (from every row's:
+            #    a GRPO group is whole, REINFORCE's baseline sees the whole batch).
             with _timed(times, "time/reward"):
-                r = t.grader(ro.texts, ro.golds)
+                r = host_arrays.to_host(host_arrays.from_process_rows(
+                    t.grader(ro.texts, ro.golds), rollouts.batch_sharding, len(ro.rollout_logp)))
                 adv, baseline = t.advantages(r, baseline)  # REINFORCE: baseline updated after use
 
             # 3. Reference log-probs (zeros when beta = 0).
@@ -313,13 +336,13 @@ class Run:
                                                             probe))
             last = writer.write(step, step_row(t, step, update_metrics, r, ro, opt_state, times))
             if config.log.sample_every and step % config.log.sample_every == 0:
-                logging.info("step %d sample: %r → reward %.2f", step, ro.texts[0], r[0])
+                logging.info("step %d sample: %r → reward %.2f", step, ro.texts[0], r[ro.rows.start])
             skipped_in_a_row = self._check_divergence(step, last, params, skipped_in_a_row)
-            if (step % config.checkpoint.every == 0 or step == config.max_steps
-                    or stop.signum is not None):
+            stopped = distributed.any_process(stop.signum is not None)
+            if step % config.checkpoint.every == 0 or step == config.max_steps or stopped:
                 ckpt.save(step, (params, opt_state),
                           {"step": step, "baseline": baseline, "data": data.state()})
-        return last, step, params, opt_state
+        return last, step, params, opt_state, stopped
 
     def _check_divergence(self, step: int, row: dict, params, skipped_in_a_row: int) -> int:
         """Counts updates dropped as non-finite (the weights stayed as they were) and stops the run

@@ -1,0 +1,142 @@
+"""More than one process: JAX's distributed runtime, started from the ``distributed`` config section.
+
+One process per host (or several on one machine, `launch/local_cluster.sh`) runs the same command;
+`initialize` joins them into one runtime, after which ``jax.devices()`` lists every process's devices
+and one mesh spans them all. What each process then does differently is small and lives where it
+is used: each samples and grades its own rows of the batch (rollout.py, `sharding.process_rows`),
+process 0 alone writes metrics (metrics.py), and every process takes part in each checkpoint
+(orbax writes each array's shards from the process that holds them).
+
+Failures are bounded by two timeouts of JAX's coordination service, both in the config:
+
+- ``initialization_timeout``: how long `initialize` waits for all processes to register. A process
+  that cannot reach the coordinator first gets one clear error from `_check_reachable`; the
+  coordinator itself, left waiting for processes that never come, is stopped by JAX with a
+  ``DEADLINE_EXCEEDED ... RegisterTask`` message after this time.
+- ``heartbeat_timeout``: a process that dies (or hangs) stops sending heartbeats; after this time the
+  service stops every other process with ``The following tasks are unhealthy (stopped sending
+  heartbeats)``. A collective that waits for the dead process waits at most this long.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import jax
+import ml_collections
+import numpy as np
+from absl import logging
+
+AUTO = "auto"   # coordinator_address: let JAX read the cluster's environment (SLURM, TPU pod slices)
+
+
+def is_multiprocess(cfg: ml_collections.ConfigDict) -> bool:
+    """Whether the config asks for JAX's distributed runtime (before it is started)."""
+    return bool(cfg.coordinator_address)
+
+
+def validate(cfg: ml_collections.ConfigDict) -> None:
+    """The section's values alone: an address needs a process count ≥ 2 and an id below it."""
+    address, n, pid = cfg.coordinator_address, cfg.num_processes, cfg.process_id
+    if not address:
+        if n > 1 or pid > 0:
+            raise ValueError(f"distributed.num_processes={n}, process_id={pid} without a "
+                             f"distributed.coordinator_address: give process 0's host:port (or "
+                             f"'{AUTO}' on a cluster JAX detects), or leave all three unset for one "
+                             f"process")
+        return
+    if not (cfg.initialization_timeout > 0 and cfg.heartbeat_timeout > 0):
+        raise ValueError(f"distributed.initialization_timeout and heartbeat_timeout must be > 0 "
+                         f"seconds, got {cfg.initialization_timeout} and {cfg.heartbeat_timeout}")
+    if address == AUTO:
+        return
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"distributed.coordinator_address={address!r}: expected host:port (process "
+                         f"0's address and a free port, e.g. 10.0.0.1:12345) or '{AUTO}'")
+    if n < 2:
+        raise ValueError(f"distributed.num_processes={n}: a coordinator address needs ≥ 2 processes "
+                         f"(leave the address empty for one)")
+    if not 0 <= pid < n:
+        raise ValueError(f"distributed.process_id={pid}: must be in [0, {n}) for {n} processes")
+
+
+def _check_reachable(address: str, timeout: float) -> None:
+    """A process other than the coordinator tries to open a TCP connection to it for up to
+    ``timeout`` seconds (the coordinator may still be starting): JAX's own failure here is a fatal
+    abort naming an RPC, this is one line naming the address and what to check."""
+    host, _, port = address.rpartition(":")
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection((host, int(port)), timeout=2).close()
+            return
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise ValueError(f"cannot reach the coordinator at {address} within {timeout:g} s "
+                                 f"(distributed.initialization_timeout): {e.strerror or e}; start "
+                                 f"process 0 there, or check the address and that the port is "
+                                 f"open") from None
+            time.sleep(0.5)
+
+
+def initialize(cfg: ml_collections.ConfigDict) -> None:
+    """Joins JAX's distributed runtime when the section asks for it; nothing for one process.
+
+    Must run before any jax computation (the backends see every process's devices only after it).
+    On CPU the collectives between processes go through gloo.
+    """
+    validate(cfg)
+    if not is_multiprocess(cfg):
+        return
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    timeouts = dict(initialization_timeout=int(cfg.initialization_timeout),
+                    heartbeat_timeout_seconds=int(cfg.heartbeat_timeout))
+    if cfg.coordinator_address == AUTO:
+        jax.distributed.initialize(**timeouts)
+    else:
+        if cfg.process_id > 0:
+            _check_reachable(cfg.coordinator_address, cfg.initialization_timeout)
+        logging.info("distributed: process %d of %d, coordinator %s; waiting up to %d s for the "
+                     "others (distributed.initialization_timeout)", cfg.process_id,
+                     cfg.num_processes, cfg.coordinator_address, cfg.initialization_timeout)
+        jax.distributed.initialize(cfg.coordinator_address, cfg.num_processes, cfg.process_id,
+                                   **timeouts)
+    logging.info("distributed: process %d of %d joined; %d of %d devices are local",
+                 jax.process_index(), jax.process_count(), jax.local_device_count(),
+                 jax.device_count())
+
+
+def check_joined(cfg: ml_collections.ConfigDict) -> None:
+    """The runtime must be what the section asks for: code that builds a run in its own process
+    (not through launch.train) has to call `initialize` first."""
+    if not is_multiprocess(cfg) or cfg.coordinator_address == AUTO:
+        return
+    if jax.process_count() != cfg.num_processes:
+        raise ValueError(f"distributed.num_processes={cfg.num_processes}, but the runtime has "
+                         f"{jax.process_count()} process(es): call logra_jax.distributed."
+                         f"initialize(config.distributed) before any jax computation "
+                         f"(launch.train does)")
+
+
+def is_primary() -> bool:
+    """Process 0: the one that writes metrics, config.json and the progress bar."""
+    return jax.process_index() == 0
+
+
+def any_process(flag: bool) -> bool:
+    """True on every process when ``flag`` is true on any (e.g. a stop request that reached one
+    host): each process must leave the loop after the same step, or the others would wait in a
+    collective for it."""
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+    return bool(np.any(multihost_utils.process_allgather(np.asarray(flag, np.int32))))
+
+
+def barrier(name: str) -> None:
+    """Waits until every process reaches the same named point (no-op for one process)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices(name)
