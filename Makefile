@@ -28,8 +28,12 @@ install: $(VENV)/.installed
 train: $(VENV)/.installed
 	$(BIN)/python -m launch.train --config $(CONFIG) --workdir $(WORKDIR)
 
+# Two pytest-xdist workers (one per core of the 2-core machines CI uses), whole files each so a
+# module's compiled fixtures are built once; TESTFLAGS= runs the suite in one process.
+TESTFLAGS ?= -n 2 --dist loadfile --durations=15
+
 test: $(VENV)/.installed-test
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q $(TESTFLAGS) tests
 
 clean:
 	rm -rf $(VENV) runs

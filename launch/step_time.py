@@ -3,7 +3,7 @@
 Step time (CPU by default, any backend):
 
     python -m launch.step_time [--widths 512,1024,2048] [--layers 2] [--rows 8] \
-        [--prompt_length 64] [--completion_length 192] [--repeats 5] [--rank 256]
+        [--prompt_length 64] [--completion_length 192] [--repeats 5] [--rank 256] [--micro_steps 1]
 
 builds, per width d, a decoder with d-wide layers (head_dim 64, GQA 2:1, MLP 3d, vocabulary 8192,
 fp32, per-layer remat), runs the trainer's jitted update (`PolicyUpdate`, as configs/base.py sets
@@ -17,7 +17,10 @@ The default update holds 8 × 256 = 2048 tokens: what one device trains on per m
 configs/qwen2_5_7b_gsm8k.py. LoGRA's fixed cost per update (merging ΔW = −η·D·A: 2·r·in·out
 operations per target, what a dense weight gradient of r tokens costs) is shared by every token of
 the update, so fewer tokens favour AdamW, and an RL update of many micro-batches favours LoGRA more
-than this single micro-batch does.
+than this single micro-batch does. ``--micro_steps K`` makes one update K micro-batches of
+``rows`` (configs/qwen2_5_7b_gsm8k.py: K = 32 per training device, one 2048-token sequence each):
+the sketches are paid every micro-step, the merge once. The table starts with the CPU model
+(XLA picks other kernels on AVX2 and AVX-512 machines).
 
 The merge alone (``--merge``): per width, ``LowRankUpdate.merge_into`` of a stack of ``layers``
 (d × 3d) MLP kernels — the order-free product of optim/order_free.py — against the same merge with
@@ -37,7 +40,7 @@ import sys
 
 # The timing compares the two optimizers on one device (the simulated 8-device CPU of the tests
 # would only split the same cores 8 ways).
-from launch import simulate_host_devices  # noqa: E402
+from launch import cpu_model, simulate_host_devices  # noqa: E402
 
 simulate_host_devices(1)
 
@@ -62,11 +65,13 @@ _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed updates per optimizer (afte
 _RANK = flags.DEFINE_integer("rank", 256, "LoGRA rank r.")
 _MERGE = flags.DEFINE_bool("merge", False, "Time the low-rank merge alone: order-free vs a plain dot.")
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype.")
+_MICRO = flags.DEFINE_integer("micro_steps", 1, "Micro-batches of --rows per update.")
 
 
 def bench_config(width: int, layers: int, rows: int, prompt_length: int, completion_length: int,
-                 rank: int, dtype: str):
-    """configs/base.py with a ``width``-wide random decoder and one micro-batch of ``rows``."""
+                 rank: int, dtype: str, micro_steps: int = 1):
+    """configs/base.py with a ``width``-wide random decoder and ``micro_steps`` micro-batches of
+    ``rows`` per update."""
     from configs import base
     c = base.get_config()
     c.model.source = "tiny"
@@ -75,7 +80,7 @@ def bench_config(width: int, layers: int, rows: int, prompt_length: int, complet
     c.model.tiny.update(hidden_size=width, num_layers=layers, num_heads=width // 64,
                         num_kv_heads=max(1, width // 128), head_dim=64, intermediate_size=3 * width,
                         max_position_embeddings=prompt_length + completion_length)
-    c.data.prompts_per_step = rows // 2
+    c.data.prompts_per_step = rows * micro_steps // 2
     c.rl.num_generations = 2
     c.rl.micro_batch_size = rows
     c.rl.max_prompt_length = prompt_length
@@ -124,7 +129,8 @@ def build(config, model_config, mesh, seed: int = 0):
     return update, params, opt_state, batch
 
 
-def time_widths(widths, layers, rows, prompt_length, completion_length, rank, dtype, repeats):
+def time_widths(widths, layers, rows, prompt_length, completion_length, rank, dtype, repeats,
+                micro_steps=1):
     """[(width, params, {optimizer: median ms}, {optimizer: XLA flops})] — see the module docstring."""
     import jax
     from logra_jax import model_shapes
@@ -133,7 +139,8 @@ def time_widths(widths, layers, rows, prompt_length, completion_length, rank, dt
     mesh = build_mesh({"fsdp": -1, "tensor": 1}, jax.devices(), spare_devices=True)
     results = []
     for width in widths:
-        config = bench_config(width, layers, rows, prompt_length, completion_length, rank, dtype)
+        config = bench_config(width, layers, rows, prompt_length, completion_length, rank, dtype,
+                              micro_steps)
         model_config = model_shapes.model_config_from(config.model).replace(vocab_size=8192)
         runs, times, flops = {}, {"logra": [], "adamw": []}, {}
         for name in times:
@@ -244,9 +251,12 @@ def main(argv):
         sys.exit(f"error: --repeats must be ≥ 0, got {_REPEATS.value}")
     if _ROWS.value < 2 or _ROWS.value % 2:
         sys.exit(f"error: --rows must be an even number ≥ 2 (GRPO groups of 2), got {_ROWS.value}")
+    if _MICRO.value < 1:
+        sys.exit(f"error: --micro_steps must be ≥ 1, got {_MICRO.value}")
     if _MERGE.value:
         if _REPEATS.value < 1:
             sys.exit("error: --merge times the merge: it needs --repeats ≥ 1")
+        print(cpu_model())
         print(f"merge of {_LAYERS.value} layers (d × 3d), rank {_RANK.value}, fp32; median of "
               f"{_REPEATS.value} interleaved runs")
         print(f"{'width':>6} {'order-free ms':>14} {'plain dot ms':>13} {'ratio':>6}")
@@ -255,9 +265,11 @@ def main(argv):
                   f"{ms['order-free'] / ms['plain dot']:>6.2f}")
         return
     results = time_widths(widths, _LAYERS.value, _ROWS.value, _PROMPT.value, _COMPLETION.value,
-                          _RANK.value, _DTYPE.value, _REPEATS.value)
+                          _RANK.value, _DTYPE.value, _REPEATS.value, _MICRO.value)
     import jax
-    print(f"one update, {_ROWS.value} × {_PROMPT.value + _COMPLETION.value} tokens, {_LAYERS.value} layers, "
+    print(cpu_model())
+    print(f"one update, {_MICRO.value} micro-step(s) of {_ROWS.value} × "
+          f"{_PROMPT.value + _COMPLETION.value} tokens, {_LAYERS.value} layers, "
           f"rank {_RANK.value}, {_DTYPE.value}, remat, {jax.default_backend()} × {jax.device_count()}; "
           + (f"median of {_REPEATS.value} interleaved runs" if _REPEATS.value else "XLA operation counts only"))
     print(f"{'width':>6} {'params':>8} {'logra ms':>9} {'adamw ms':>9} {'time ratio':>11} "

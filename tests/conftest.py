@@ -9,9 +9,16 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # many real-process tests (signals, bad input, resumes, two-process runs) compile the same train
 # step again and again, and a cached program loads in a fraction of the compile (measured: a
 # 1-step tiny launch.train 29 s cold, 16 s warm). Programs under a second to compile are not kept.
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-    import tempfile
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="logra_test_xla_cache_")
+# Each pytest-xdist worker gets its own (two processes never write one cache at once), as it gets
+# its own tfds data folder (tfds prepares a dataset in place; before tensorflow_datasets is imported).
+import tempfile  # noqa: E402
+
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "main")
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ or os.environ.get("LOGRA_TEST_OWN_CACHES"):
+    os.environ["LOGRA_TEST_OWN_CACHES"] = "1"
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix=f"logra_xla_{_WORKER}_")
+    if _WORKER != "main":
+        os.environ["TFDS_DATA_DIR"] = tempfile.mkdtemp(prefix=f"logra_tfds_{_WORKER}_")
 
 import pathlib  # noqa: E402
 

@@ -7,35 +7,17 @@ import pytest
 
 from configs import tiny
 from logra_jax import config as config_lib, metrics
-from logra_jax.tree_paths import leaves_with_paths
 from logra_jax.rl import build
 from logra_jax.rl import trainer as trainer_lib
 from logra_jax.rl.rollout import collect_rollouts
 from logra_jax.rl.update import TrainBatch
-from tiny_config import tiny_config
-
-VARIANTS = {
-    # name: overrides of configs/tiny.py
-    "logra-grpo": dict(optimizer=dict(name="logra", logra=dict(variant="grpo", kl_control=True))),
-    "logra-kl": dict(optimizer=dict(name="logra", logra=dict(variant="kl", others="frozen")),
-                     rl=dict(algorithm="reinforce")),
-    "adamw": dict(optimizer=dict(name="adamw")),
-}
-
-
-def make_config(name, **extra):
-    """configs/tiny.py with the variant's overrides, then ``extra``'s (nested dicts merge)."""
-    return tiny_config(VARIANTS[name], extra)
+from tiny_config import VARIANTS, flat_params as _flat, make_config
 
 
 @pytest.fixture(scope="module")
 def trainers():
     """One Trainer (compiled functions) per optimizer, shared by the tests of this module."""
     return {name: trainer_lib.Trainer(make_config(name)) for name in VARIANTS}
-
-
-def _flat(params):
-    return dict(leaves_with_paths(jax.device_get(params)))
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
@@ -203,42 +185,6 @@ def test_reference_is_kept_only_for_a_kl_penalty_and_in_the_compute_dtype(traine
                                   t._ref_logprobs(params, seqs))
 
 
-@pytest.mark.parametrize("mode, rollout_devices", [("factors", 4), ("sparse", 4), ("factors", 0),
-                                                   ("sparse", 0)])
-def test_sync_modes_with_and_without_rollout_devices(mode, rollout_devices, tmp_path):
-    """4 training + 4 rollout devices: the engine receives the mode's messages and stays bit-exact.
-    Colocated (0): the same exact weights from a local cast, with no master copy or mirror."""
-    config = make_config("logra-kl", max_steps=2,
-                         sync=dict(mode=mode, rollout_devices=rollout_devices, master_copy=True))
-    run = trainer_lib.Run(config, tmp_path)
-    run.loop()
-    run.close()
-    trainer, engine = run.trainer, run.engine
-    train_ids = {d.id for d in trainer.mesh.devices.flat}
-    rollout_ids = {d.id for d in trainer.rollout_mesh.devices.flat}
-    rows = metrics.read_jsonl(tmp_path / "metrics.jsonl")
-    if rollout_devices:
-        assert train_ids.isdisjoint(rollout_ids)
-        assert engine.mode == mode
-        for row in rows:
-            assert 0 < row["logra/sync_bytes"] < row["logra/sync_bytes_full"]
-    else:
-        assert train_ids == rollout_ids
-        assert engine.mode == "full" and engine.master is None
-        for row in rows:
-            assert row["logra/sync_bytes"] == row["logra/sync_bytes_full"]
-    for row in rows:
-        assert np.isfinite(row["logra/sync_mismatch"])
-    initial = _flat(trainer.initial_params)
-    engine_params, trainer_params = _flat(engine.params), _flat(run.params)
-    moved = 0
-    for path in engine_params:
-        expected = trainer_params[path].astype(jnp.bfloat16)
-        np.testing.assert_array_equal(engine_params[path], expected, err_msg=path)
-        moved += int(np.sum(expected != initial[path].astype(jnp.bfloat16)))
-    assert moved > 0  # the updates did move the bf16 weights the sampler holds
-
-
 def _finite_checkpoints(run, workdir) -> list[int]:
     """The steps checkpointed in ``workdir``, after asserting that each holds finite weights."""
     saved = trainer_lib.checkpoint_lib.Checkpointer(workdir / "checkpoints")
@@ -312,48 +258,6 @@ def test_unknown_override_key_exits_with_its_name():
     with pytest.raises(SystemExit) as e:
         config_lib.check_argv(["--config=configs/tiny.py", "--config.optimizer.rnak=4"])
     assert "unknown config key 'optimizer.rnak'" in str(e.value)
-
-
-@pytest.mark.parametrize("name", ["logra-grpo", "logra-kl"])
-def test_bf16_weights_train_resume_and_sync_bit_exact(name, tmp_path):
-    """model.param_dtype=bfloat16 with stochastic-rounding merges: the target kernels are bf16 in
-    memory and in checkpoints and they move; a factors receiver that holds only bf16 weights
-    (no master copy) ends on the trainer's bits; a resumed run ends on the same bits as a straight
-    one (the rounding bits come from A's key)."""
-    config = make_config(name, max_steps=2, model=dict(param_dtype="bfloat16"),
-                         optimizer=dict(logra=dict(kl_control=name == "logra-kl")),
-                         sync=dict(mode="factors", rollout_devices=4, master_copy=False),
-                         checkpoint=dict(every=1, keep=3))
-    trainer = trainer_lib.Trainer(config)
-    straight = trainer_lib.Run(config, tmp_path / "straight", trainer=trainer)
-    straight.loop()
-    straight.close()
-    end = _flat(straight.params)
-    is_target = trainer.sketch.is_target
-    initial = _flat(trainer.initial_params)
-    for path, value in end.items():
-        if is_target(path):
-            assert value.dtype == jnp.bfloat16, path
-            assert not np.array_equal(value, initial[path]), f"{path} did not move"
-    engine = _flat(straight.engine.params)
-    for path in end:
-        np.testing.assert_array_equal(engine[path], end[path].astype(engine[path].dtype), err_msg=path)
-    saved = trainer_lib.checkpoint_lib.Checkpointer(tmp_path / "straight" / "checkpoints")
-    restored = _flat(saved.restore_params(2, trainer.init_state()[0]))
-    saved.close()
-    assert {restored[p].dtype for p in restored if is_target(p)} == {jnp.dtype(jnp.bfloat16)}
-
-    if name != "logra-kl":
-        return   # the resume path is the same for both variants; one of them pays for it
-    resumed_dir = tmp_path / "resumed"
-    for steps in (1, 2):
-        config.unlock()
-        config.max_steps = steps
-        run = trainer_lib.Run(config, resumed_dir, trainer=trainer)
-        run.loop()
-        run.close()
-    for path, value in _flat(run.params).items():
-        np.testing.assert_array_equal(value, end[path], err_msg=path)
 
 
 ARCHITECTURES = {  # model.tiny features of the families beyond Llama (configs/base.py's tiny shape)

@@ -1,8 +1,10 @@
 """configs/tiny.py with nested overrides, for the tests that run the loop."""
 
+import jax
 import ml_collections
 
 from configs import tiny
+from logra_jax.tree_paths import leaves_with_paths
 
 
 def override(node: ml_collections.ConfigDict, values: dict) -> None:
@@ -20,3 +22,22 @@ def tiny_config(*overrides: dict) -> ml_collections.ConfigDict:
     for values in overrides:
         override(config, values)
     return config
+
+
+# The optimizer variants the loop tests run: name → overrides of configs/tiny.py.
+VARIANTS = {
+    "logra-grpo": dict(optimizer=dict(name="logra", logra=dict(variant="grpo", kl_control=True))),
+    "logra-kl": dict(optimizer=dict(name="logra", logra=dict(variant="kl", others="frozen")),
+                     rl=dict(algorithm="reinforce")),
+    "adamw": dict(optimizer=dict(name="adamw")),
+}
+
+
+def make_config(name, **extra):
+    """configs/tiny.py with the variant's overrides, then ``extra``'s (nested dicts merge)."""
+    return tiny_config(VARIANTS[name], extra)
+
+
+def flat_params(params) -> dict:
+    """{path: host array} of a params tree."""
+    return dict(leaves_with_paths(jax.device_get(params)))
