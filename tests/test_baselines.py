@@ -47,12 +47,17 @@ def test_galore_projects_only_the_targets():
     assert jax.tree.all(jax.tree.map(lambda u: bool(jnp.all(jnp.isfinite(u))), updates))
 
 
+# LoRA as every LoRA test here runs it: rank 4 with a rate at which 2 steps visibly move the
+# logits; one config, so the tests' trainers compile the same programs (the session's cache).
+LORA = {"name": "lora", "lora": {"rank": 4, "learning_rate": 3e-2}}
+
+
 @pytest.mark.parametrize("name", ["adafactor", "galore", "lora"])
 def test_trains_checkpoints_and_resumes_bit_exactly(name, tmp_path):
     """configs/tiny.py with optimizer.name=<name>: every parameter moves (LoRA: every adapter, and
     no base weight); stopping after step 1 and resuming ends on the straight run's weights and
     optimizer state, bit for bit."""
-    config = tiny_config({"optimizer": {"name": name}, "max_steps": 2,
+    config = tiny_config({"optimizer": LORA if name == "lora" else {"name": name}, "max_steps": 2,
                           "checkpoint": {"every": 1, "keep": 2}})
     trainer = trainer_lib.Trainer(config)
     straight = trainer_lib.Run(config, tmp_path / "straight", trainer=trainer)
@@ -85,8 +90,7 @@ def test_a_lora_run_exports_with_its_adapters_merged(tmp_path):
     transformers = pytest.importorskip("transformers")
     from logra_jax.export import export_run
 
-    config = tiny_config({"optimizer": {"name": "lora", "lora": {"rank": 4, "learning_rate": 3e-2}},
-                          "max_steps": 2})
+    config = tiny_config({"optimizer": LORA, "max_steps": 2})
     trainer = trainer_lib.Trainer(config)
     run = trainer_lib.Run(config, tmp_path / "run", trainer=trainer)
     run.loop()
@@ -107,8 +111,8 @@ def test_lora_syncs_its_adapters_only(tmp_path):
     """LoRA with 4 training + 4 rollout devices and sync.mode=full: each message is the adapters
     (bf16), nothing of the frozen base, and the engine ends on the trainer's bf16 weights bit for
     bit — base and adapters."""
-    config = tiny_config({"optimizer": {"name": "lora", "lora": {"rank": 4, "learning_rate": 3e-2}},
-                          "max_steps": 2, "sync": {"mode": "full", "rollout_devices": 4}})
+    config = tiny_config({"optimizer": LORA, "max_steps": 2,
+                          "sync": {"mode": "full", "rollout_devices": 4}})
     run = trainer_lib.Run(config, tmp_path)
     run.loop()
     run.close()

@@ -30,11 +30,14 @@ def _rows(workdir):
     return metrics.read_jsonl(path) if path.exists() else []
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_saves_the_step_and_the_same_command_resumes(tmp_path, signum):
-    proc = _train(tmp_path, 1000)
+def _stop_after_a_new_step(workdir, signum) -> int:
+    """Runs the command to max_steps=1000, sends ``signum`` once a new step is logged, and checks
+    the stop: the signal's exit status, one ``stopped:`` line, a checkpoint of that step although
+    checkpoint.every=1000. Returns the step."""
+    before = len(_rows(workdir))
+    proc = _train(workdir, 1000)
     deadline = time.time() + 300
-    while not _rows(tmp_path) and proc.poll() is None and time.time() < deadline:
+    while len(_rows(workdir)) <= before and proc.poll() is None and time.time() < deadline:
         time.sleep(0.5)
     assert proc.poll() is None, proc.stderr.read()[-2000:]
     proc.send_signal(signum)
@@ -42,15 +45,23 @@ def test_a_signal_saves_the_step_and_the_same_command_resumes(tmp_path, signum):
     assert proc.returncode == 128 + signum, stderr[-2000:]
     stopped = [line for line in stderr.splitlines() if line.startswith("stopped:")]
     assert len(stopped) == 1, stderr[-2000:]
-    step = _rows(tmp_path)[-1]["step"]
-    assert f"after step {step};" in stopped[0]
-    assert (tmp_path / "checkpoints" / str(step)).is_dir()   # saved although every=1000
-    assert json.loads((tmp_path / "config.json").read_text())["max_steps"] == 1000
+    step = _rows(workdir)[-1]["step"]
+    assert step > before and f"after step {step};" in stopped[0]
+    assert (workdir / "checkpoints" / str(step)).is_dir()
+    return step
 
-    resumed = _train(tmp_path, step + 1)
+
+def test_sigterm_and_sigint_save_the_step_and_the_same_command_resumes(tmp_path):
+    """SIGTERM stops the first run; the same command resumes, and SIGINT (Ctrl-C) stops it again
+    later; a last run resumes and finishes: every step logged once, in order."""
+    first = _stop_after_a_new_step(tmp_path, signal.SIGTERM)
+    assert json.loads((tmp_path / "config.json").read_text())["max_steps"] == 1000
+    second = _stop_after_a_new_step(tmp_path, signal.SIGINT)   # resumed from `first`
+    assert second > first
+    resumed = _train(tmp_path, second + 1)
     _, stderr = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, stderr[-2000:]
-    assert [r["step"] for r in _rows(tmp_path)] == list(range(1, step + 2))
+    assert [r["step"] for r in _rows(tmp_path)] == list(range(1, second + 2))
 
 
 def test_a_cut_last_metrics_line_is_dropped_and_a_bad_one_is_named(tmp_path):
