@@ -9,7 +9,10 @@
 #    the CPU-simulated report of launch.memory for the same mesh.
 # 2. The step-time comparison LoGRA vs AdamW at widths 512, 1024, 2048 (bf16, median of 5
 #    interleaved runs).
-# Environment: CONFIG, PYTHON, TIME_ARGS (launch.step_time flags); ALLOW_CPU=1 runs the same
+# 3. The sampler's tokens/s and achieved/roofline (launch.sampler_bench, bf16, one device, batch
+#    1 / 16 / 64; it measures the device's matmul rate and copy bandwidth itself).
+# Environment: CONFIG, PYTHON, TIME_ARGS (launch.step_time flags), SAMPLER_ARGS (launch.sampler_bench
+# flags, e.g. "--batches 16 --repeats 1"); ALLOW_CPU=1 runs the same
 # plumbing on CPU (no peak bytes there).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -39,6 +42,10 @@ DTYPE=bfloat16; [[ "$BACKEND" == "gpu" ]] || DTYPE=float32
 $PY -m launch.step_time $TIME_ARGS --dtype "$DTYPE" > "$OUT/time.txt" 2>"$OUT/time.err" \
     || { cat "$OUT/time.err" >&2; exit 1; }
 
+# shellcheck disable=SC2086
+$PY -m launch.sampler_bench --dtype "$DTYPE" --meshes 1 ${SAMPLER_ARGS:-} > "$OUT/sampler.txt" \
+    2>"$OUT/sampler.err" || { cat "$OUT/sampler.err" >&2; exit 1; }
+
 $PY - "$OUT" <<'EOF'
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
@@ -56,4 +63,6 @@ ratio = lambda d: d["logra"] / d["adamw"] if d["adamw"] else float("nan")
 print(f"{'ratio':<10} {ratio({o: real[o]['peak_bytes_in_use'] for o in real}):>9.3f} "
       f"{ratio({o: real[o]['predicted_peak'] for o in real}):>14.3f} {ratio(aot):>11.3f}\n")
 print((out / "time.txt").read_text().strip())
+print()
+print((out / "sampler.txt").read_text().strip())
 EOF

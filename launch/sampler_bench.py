@@ -41,6 +41,8 @@ _MESHES = flags.DEFINE_list("meshes", ["1", "8"], "Devices the batch is split ov
 _PROMPT = flags.DEFINE_integer("prompt_length", 64, "Prompt tokens per row.")
 _COMPLETION = flags.DEFINE_integer("completion_length", 32, "Sampled tokens per row.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed calls per cell, after one warm-up.")
+_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"],
+                           "Weights, compute and the measured matmul rate (bf16 on a GPU).")
 
 
 def _median_seconds(fn, repeats: int) -> float:
@@ -54,13 +56,13 @@ def _median_seconds(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def machine_rates(repeats: int = 5) -> tuple[float, float]:
-    """(sgemm FLOP/s, copy bytes/s) of one device, measured."""
+def machine_rates(dtype: str = "float32", repeats: int = 5) -> tuple[float, float]:
+    """(matmul FLOP/s in ``dtype``, copy bytes/s) of one device, measured."""
     import jax
     import jax.numpy as jnp
     import numpy as np
     n = 2048
-    a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.float32)
+    a = jax.random.normal(jax.random.PRNGKey(0), (n, n), dtype)
     dot = jax.jit(lambda x: x @ x)
     flops = 2 * n**3 / _median_seconds(lambda: dot(a), repeats)
     # Memory bandwidth: the faster of a numpy copy (memcpy) and XLA's own elementwise pass over
@@ -120,9 +122,10 @@ def main(argv):
         sys.exit(f"error: --meshes {max(meshes)} needs that many devices, this process has "
                  f"{jax.device_count()} (LOGRA_HOST_DEVICES)")
     config = _CONFIG.value
-    flops, bandwidth = machine_rates()
-    print(f"{cpu_model()}; {jax.default_backend()}; one device: sgemm {flops / 1e9:.1f} GFLOP/s, "
-          f"copy {bandwidth / 2**30:.1f} GiB/s")
+    config.model.update(dtype=_DTYPE.value, param_dtype=_DTYPE.value)
+    flops, bandwidth = machine_rates(_DTYPE.value)
+    print(f"{cpu_model()}; {jax.default_backend()} ({jax.devices()[0].device_kind}); one device: "
+          f"{_DTYPE.value} matmul {flops / 1e9:.1f} GFLOP/s, copy {bandwidth / 2**30:.1f} GiB/s")
     print(f"model {config.model.source} ({config.model.dtype}); prompt {_PROMPT.value} + "
           f"{_COMPLETION.value} sampled tokens per row; median of {_REPEATS.value} calls")
     print(f"{'devices':>7} {'batch':>5} {'seconds':>8} {'tokens/s':>9} {'roofline s':>10} "
