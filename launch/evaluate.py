@@ -5,11 +5,12 @@
         [--data gsm8k|task] [--num_examples 64] [--max_completion_length 256] [--out eval.json]
 
 Evaluates the config's initial weights ("initial") and the latest checkpoint of every ``--run``
-(workdirs trained with this config's model) on the first ``num_examples`` questions of GSM8K test
-(``--data gsm8k``, prompt: the question + DEFAULT_INSTRUCTION) or on held-out questions of the
-config's reasoning-gym task (``--data task``, a task seed the training did not use, the config's
-own prompt). One greedy completion per question, graded like a rollout. Prints a table and, with
-``--out``, writes every completion and grade as JSON. One process compiles the sampler once.
+(workdirs trained with this config's model; a LoRA run's adapters are merged into its base) on the
+first ``num_examples`` questions of GSM8K test (``--data gsm8k``, prompt: the question +
+DEFAULT_INSTRUCTION) or on held-out questions of the config's reasoning-gym task (``--data task``,
+a task seed the training did not use, the config's own prompt). One greedy completion per
+question, graded like a rollout. Prints a table and, with ``--out``, writes every completion and
+grade as JSON. One process compiles the sampler once.
 """
 
 import json
@@ -64,8 +65,8 @@ def questions(config, data: str):
 
 def main(argv):
     del argv
-    from logra_jax import checkpoint as checkpoint_lib
     from logra_jax import sharding as sharding_lib
+    from logra_jax.export import restore_policy
     from logra_jax.rl import build
     from logra_jax.rl.evaluation import greedy_accuracy
     from logra_jax.rl.policy import Policy
@@ -77,6 +78,8 @@ def main(argv):
         for label, workdir in runs.items():
             if not (workdir / "checkpoints").is_dir():
                 raise FileNotFoundError(f"--run {label}={workdir}: no checkpoints folder there")
+            if not (workdir / "config.json").is_file():
+                raise FileNotFoundError(f"--run {label}={workdir}: no config.json there")
         name, examples, instruction = questions(config, _DATA.value)
         # Only what sampling needs: the mesh and the model (its initial weights are the template
         # every checkpoint's params are restored into); no optimizer, no reference copy.
@@ -93,15 +96,10 @@ def main(argv):
     sharding = sharding_lib.batch_sharding(mesh, _BATCH.value)
     weights = {"initial": (0, params)} if _INITIAL.value else {}
     for label, workdir in runs.items():
-        ckpt = checkpoint_lib.Checkpointer(workdir / "checkpoints")
-        step = ckpt.latest_step()
-        if step is None:
-            sys.exit(f"error: --run {label}={workdir} holds no complete checkpoint")
-        try:
-            weights[label] = (step, ckpt.restore_params(step, params))
-        except ValueError as e:
+        try:   # a LoRA run's adapters come back merged into the base: one sampler for every run
+            weights[label] = restore_policy(workdir, params)
+        except (ValueError, FileNotFoundError) as e:
             sys.exit(f"error: --run {label}: {e}")
-        ckpt.close()
 
     print(f"{name}, greedy, {_COMPLETION_LEN.value} completion tokens")
     print(f"{'weights':>12} {'step':>5} {'correct':>8} {'accuracy':>9} {'clipped':>8}")

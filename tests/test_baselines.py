@@ -85,10 +85,11 @@ def test_trains_checkpoints_and_resumes_bit_exactly(name, tmp_path):
 
 
 def test_a_lora_run_exports_with_its_adapters_merged(tmp_path):
-    """A tiny LoRA run (2 steps) exported: transformers computes base + adapters' logits."""
+    """A tiny LoRA run (2 steps) exported: transformers computes base + adapters' logits. The
+    export reads the run through `restore_policy`, which launch.evaluate uses for every run."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from logra_jax.export import export_run
+    from logra_jax.export import export_run, restore_policy
 
     config = tiny_config({"optimizer": LORA, "max_steps": 2})
     trainer = trainer_lib.Trainer(config)
@@ -96,6 +97,8 @@ def test_a_lora_run_exports_with_its_adapters_merged(tmp_path):
     run.loop()
     run.close()
     out, _ = export_run(tmp_path / "run", tmp_path / "hf")
+    step, merged = restore_policy(tmp_path / "run", run.params)
+    assert step == 2 and "lora" not in merged        # the base model's layout, adapters folded in
     reference = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     tokens = np.random.default_rng(0).integers(0, 1000, (2, 10)).astype(np.int32)
     seqs_logits = jax.jit(lambda p, t: trainer.policy.bind(p)(t, probes=trainer.policy.probes(p)))
