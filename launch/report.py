@@ -11,6 +11,10 @@ Writes into ``--out``:
                     runs that log it: with bf16 weights, what rounding lets through
   memory.png        per-device bytes by kind (params, optimizer state, gradients, other
                     temporaries) for each optimizer of each `launch.memory --json` file
+
+and prints the runs' reward table: mean reward over the first and the last quarter of the steps
+and over all of them, per run and, for runs labelled "NAME seed S", per NAME across its seeds
+(mean ± half the range: with two seeds, each seed's value is one end of it).
 """
 
 from __future__ import annotations
@@ -71,6 +75,40 @@ def plot_rewards(runs: dict[str, list[dict]], window: int, path: pathlib.Path) -
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def quarter_means(rewards: np.ndarray) -> tuple[float, float, float]:
+    """(first 25 %, last 25 %, all) mean of a run's per-step rewards; a quarter is ≥ 1 step."""
+    n = max(1, len(rewards) // 4)
+    return float(np.mean(rewards[:n])), float(np.mean(rewards[-n:])), float(np.mean(rewards))
+
+
+def seed_groups(labels) -> dict[str, list[str]]:
+    """{NAME: [labels]} for labels "NAME seed S" (in order); other labels are their own group."""
+    groups: dict[str, list[str]] = {}
+    for label in labels:
+        name, sep, seed = label.rpartition(" seed ")
+        groups.setdefault(name if sep and seed.strip().isdigit() else label, []).append(label)
+    return groups
+
+
+def reward_table(runs: dict[str, list[dict]]) -> str:
+    """The reward table printed by main (module docstring)."""
+    per_run = {label: quarter_means(np.array([r["reward"] for r in rows], float))
+               for label, rows in runs.items()}
+    width = max(len(label) for label in runs) + 2
+    lines = [f"{'reward':<{width}}{'steps':>6}{'first 25 %':>16}{'last 25 %':>16}{'all steps':>16}"]
+    for label, means in per_run.items():
+        lines.append(f"{label:<{width}}{len(runs[label]):>6}" + "".join(f"{m:>16.3f}" for m in means))
+    groups = {name: members for name, members in seed_groups(runs).items() if len(members) > 1}
+    if groups:
+        lines.append(f"{'across seeds':<{width}}{'seeds':>6}   (mean ± half the range)")
+        for name, members in groups.items():
+            values = np.array([per_run[m] for m in members])           # [seeds, 3]
+            mean, half = values.mean(0), (values.max(0) - values.min(0)) / 2
+            lines.append(f"{name:<{width}}{len(members):>6}"
+                         + "".join(f"{f'{m:.3f} ± {h:.3f}':>16}" for m, h in zip(mean, half)))
+    return "\n".join(lines)
 
 
 def _save_per_step_log_plot(fig, ax, ylabel: str, path: pathlib.Path) -> None:
@@ -171,6 +209,7 @@ def main(argv) -> None:
     out.mkdir(parents=True, exist_ok=True)
     written = []
     if runs:
+        print(reward_table(runs))
         plot_rewards(runs, _WINDOW.value, out / "reward.png")
         written.append("reward.png")
         if plot_kl(runs, out / "kl.png"):

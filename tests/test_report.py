@@ -17,6 +17,25 @@ def test_running_mean_matches_a_direct_window():
     np.testing.assert_allclose(report.running_mean(values, 3), expected)
 
 
+def test_reward_table_takes_quarters_and_groups_seeds():
+    rows = lambda values: [{"reward": v} for v in values]   # noqa: E731
+    runs = {"LoGRA seed 0": rows([0.0, 0.2, 0.4, 0.6, 0.8, 1.0, 0.2, 0.6]),
+            "LoGRA seed 1": rows([0.2, 0.2, 0.2, 0.2, 0.2, 0.2, 0.4, 0.4]),
+            "AdamW": rows([0.5, 0.5, 0.5])}
+    assert report.quarter_means(np.array([0.0, 0.2, 0.4, 0.6, 0.8, 1.0, 0.2, 0.6])) == \
+        pytest.approx((0.1, 0.4, 0.475))
+    assert report.quarter_means(np.array([0.5, 0.25])) == pytest.approx((0.5, 0.25, 0.375))
+    assert report.seed_groups(runs) == {"LoGRA": ["LoGRA seed 0", "LoGRA seed 1"],
+                                        "AdamW": ["AdamW"]}
+    table = report.reward_table(runs).splitlines()
+    assert table[1].split()[-4:] == ["8", "0.100", "0.400", "0.475"]
+    # seed 1: first 0.2, last 0.4, all 0.25 → across seeds (0.15 ± 0.05, 0.40 ± 0, 0.3625 ± 0.1125)
+    name, seeds, *cells = table[-1].replace("±", " ").split()
+    assert (name, seeds) == ("LoGRA", "2")
+    assert [float(c) for c in cells] == pytest.approx([0.15, 0.05, 0.4, 0.0, 0.3625, 0.1125],
+                                                      abs=6e-4)
+
+
 def _memory_report(path):
     gib = 2 ** 30
     steps = [dict(optimizer="logra", params=7 * gib, opt_state=2 * gib, gradients=1 * gib, peak=16 * gib),
