@@ -12,7 +12,9 @@ has shape (L, in, out)) and the layer body runs under ``jax.lax.scan``, so compi
 with depth. A layer's type (full or sliding) is a scanned boolean that picks its mask and RoPE
 frequencies, so mixed stacks still scan. Parameter names follow Hugging Face (``embed_tokens``,
 ``self_attn.q_proj``, ``pre_feedforward_layernorm`` ...) with Flax leaf names (``kernel`` (in, out),
-``bias``, ``embedding``, ``scale``).
+``bias``, ``embedding``, ``scale``). A decode loop may instead pass ``layers=`` (the stack split
+once into per-layer arrays, `Decoder.unstacked_layers`) with a per-layer cache: the same layers,
+run one after the other, each reading its own arrays in place (what the sampler does on CPU).
 
 The KV cache holds every slot for every layer, sliding ones included: one cache stack of one
 shape is what lets the layers scan. A window-sized ring buffer for Gemma's sliding layers would
