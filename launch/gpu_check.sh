@@ -10,7 +10,8 @@
 # 2. The step-time comparison LoGRA vs AdamW at widths 512, 1024, 2048 (bf16, median of 5
 #    interleaved runs).
 # 3. The sampler's tokens/s and achieved/roofline (launch.sampler_bench, bf16, one device, batch
-#    1 / 16 / 64; it measures the device's matmul rate and copy bandwidth itself).
+#    1 / 16 / 64; it measures the device's matmul rate and copy bandwidth itself), decoding with
+#    the stacked weights (the default off CPU) and per layer (the CPU default), side by side.
 # Environment: CONFIG, PYTHON, TIME_ARGS (launch.step_time flags), SAMPLER_ARGS (launch.sampler_bench
 # flags, e.g. "--batches 16 --repeats 1"); ALLOW_CPU=1 runs the same
 # plumbing on CPU (no peak bytes there).
@@ -43,7 +44,7 @@ $PY -m launch.step_time $TIME_ARGS --dtype "$DTYPE" > "$OUT/time.txt" 2>"$OUT/ti
     || { cat "$OUT/time.err" >&2; exit 1; }
 
 # shellcheck disable=SC2086
-$PY -m launch.sampler_bench --dtype "$DTYPE" --meshes 1 ${SAMPLER_ARGS:-} > "$OUT/sampler.txt" \
+$PY -m launch.sampler_bench --dtype "$DTYPE" --meshes 1 --decode_weights stacked,per_layer ${SAMPLER_ARGS:-} > "$OUT/sampler.txt" \
     2>"$OUT/sampler.err" || { cat "$OUT/sampler.err" >&2; exit 1; }
 
 $PY - "$OUT" <<'EOF'

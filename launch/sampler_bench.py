@@ -1,12 +1,15 @@
 """Rollout speed: the sampler's tokens/s and how close it comes to this machine's limit.
 
     python -m launch.sampler_bench [--batches 1,16,64] [--meshes 1,8] [--prompt_length 64] \
-        [--completion_length 32] [--repeats 3] [--config.model.source=...]
+        [--completion_length 32] [--repeats 3] [--decode_weights auto|per_layer,stacked] \
+        [--config.model.source=...]
 
 Times `Sampler.generate` on the default job's model (SmolLM2-135M-Instruct, fp32) with random
 prompt tokens and an end-of-sequence id no row can draw (every row runs all
 ``completion_length`` steps), at temperature 1, per batch size and mesh size, median of
-``repeats`` calls after one that compiles. The roofline of one call is
+``repeats`` calls after one that compiles. With several ``--decode_weights`` (the Sampler's
+option: how decode steps read the layer stack) each cell times them alternately, call by call,
+and prints each one's time over the first one's. The roofline of one call is
 
     prefill:  2 · N · b · p  operations at the machine's sgemm rate
     decode:   completion_length steps, each max(2 · N · b / sgemm rate, weight bytes / bandwidth)
@@ -41,6 +44,8 @@ _MESHES = flags.DEFINE_list("meshes", ["1", "8"], "Devices the batch is split ov
 _PROMPT = flags.DEFINE_integer("prompt_length", 64, "Prompt tokens per row.")
 _COMPLETION = flags.DEFINE_integer("completion_length", 32, "Sampled tokens per row.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed calls per cell, after one warm-up.")
+_DECODE = flags.DEFINE_list("decode_weights", ["auto"],
+                            "Sampler decode_weights to compare: auto, per_layer, stacked.")
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"],
                            "Weights, compute and the measured matmul rate (bf16 on a GPU).")
 
@@ -54,6 +59,22 @@ def _median_seconds(fn, repeats: int) -> float:
         jax.block_until_ready(fn())
         times.append(time.perf_counter() - tic)
     return statistics.median(times)
+
+
+def interleaved_medians(fns: dict, repeats: int) -> dict[str, float]:
+    """Median seconds of each of ``fns`` (label → call), after one compiling call each, timed in
+    alternating order round by round so that background load hits them alike."""
+    import jax
+    for fn in fns.values():
+        jax.block_until_ready(fn())
+    times = {label: [] for label in fns}
+    order = list(fns)
+    for i in range(repeats):
+        for label in (order if i % 2 == 0 else order[::-1]):
+            tic = time.perf_counter()
+            jax.block_until_ready(fns[label]())
+            times[label].append(time.perf_counter() - tic)
+    return {label: statistics.median(t) for label, t in times.items()}
 
 
 def machine_rates(dtype: str = "float32", repeats: int = 5) -> tuple[float, float]:
@@ -128,8 +149,12 @@ def main(argv):
           f"{_DTYPE.value} matmul {flops / 1e9:.1f} GFLOP/s, copy {bandwidth / 2**30:.1f} GiB/s")
     print(f"model {config.model.source} ({config.model.dtype}); prompt {_PROMPT.value} + "
           f"{_COMPLETION.value} sampled tokens per row; median of {_REPEATS.value} calls")
-    print(f"{'devices':>7} {'batch':>5} {'seconds':>8} {'tokens/s':>9} {'roofline s':>10} "
-          f"{'achieved/roofline':>17}")
+    modes = list(dict.fromkeys(_DECODE.value))
+    bad = [m for m in modes if m not in Sampler.DECODE_WEIGHTS]
+    if bad:
+        sys.exit(f"error: --decode_weights {bad}: choose from {Sampler.DECODE_WEIGHTS}")
+    print(f"{'devices':>7} {'batch':>5} {'decode':>9} {'seconds':>8} {'tokens/s':>9} "
+          f"{'roofline s':>10} {'achieved/roofline':>17}" + (f" {'time/first':>10}" if len(modes) > 1 else ""))
     for devices in meshes:
         mesh = build.build_mesh({"fsdp": devices, "tensor": 1}, jax.devices()[:devices])
         model, _ = build.build_model(config.model, mesh)
@@ -138,20 +163,25 @@ def main(argv):
         del model
         entries, nbytes = matmul_weights(params)
         never = 2**30                                 # an id outside the vocabulary: no row stops
-        sampler = Sampler(policy, max_prompt_length=_PROMPT.value,
-                          max_completion_length=_COMPLETION.value, eos_ids=[never], pad_id=0)
+        samplers = {mode: Sampler(policy, max_prompt_length=_PROMPT.value,
+                                  max_completion_length=_COMPLETION.value, eos_ids=[never],
+                                  pad_id=0, decode_weights=mode) for mode in modes}
         for batch in batches:
             tokens = np.random.default_rng(0).integers(1, 1000, (batch, _PROMPT.value), np.int32)
             mask = np.ones_like(tokens, bool)
             sharded = jax.device_put((tokens, mask), sharding_lib.batch_sharding(mesh, batch))
             key = jax.random.PRNGKey(0)
-            seconds = _median_seconds(lambda: sampler.generate(params, *sharded, key).tokens,
-                                      _REPEATS.value)
+            seconds = interleaved_medians(
+                {mode: (lambda s=s: s.generate(params, *sharded, key).tokens)
+                 for mode, s in samplers.items()}, _REPEATS.value)
             limit = roofline_seconds(entries, nbytes, batch, _PROMPT.value, _COMPLETION.value,
                                      devices, flops, bandwidth,
                                      shared_host=jax.default_backend() == "cpu")
-            print(f"{devices:>7} {batch:>5} {seconds:>8.2f} {batch * _COMPLETION.value / seconds:>9.1f} "
-                  f"{limit:>10.2f} {limit / seconds:>17.2f}", flush=True)
+            for mode in modes:
+                ratio = f" {seconds[mode] / seconds[modes[0]]:>10.3f}" if len(modes) > 1 else ""
+                print(f"{devices:>7} {batch:>5} {mode:>9} {seconds[mode]:>8.2f} "
+                      f"{batch * _COMPLETION.value / seconds[mode]:>9.1f} {limit:>10.2f} "
+                      f"{limit / seconds[mode]:>17.2f}{ratio}", flush=True)
 
 
 if __name__ == "__main__":

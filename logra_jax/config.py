@@ -93,8 +93,10 @@ def check_overrides(config: ml_collections.ConfigDict, keys: Sequence[str]) -> N
 
 
 # Keys a resumed run may change: they do not change what the saved state means. The process layout
-# is one of them (each process of a run has its own process_id; the checkpoint holds global arrays).
-RESUMABLE_CHANGES = ("max_steps", "log.", "checkpoint.every", "checkpoint.keep", "distributed.")
+# is one of them (each process of a run has its own process_id; the checkpoint holds global arrays),
+# and so is how the sampler reads its weights (rl.decode_weights: the same model, another loop).
+RESUMABLE_CHANGES = ("max_steps", "log.", "checkpoint.every", "checkpoint.keep", "distributed.",
+                     "rl.decode_weights")
 
 
 def flatten(tree: dict, prefix: str = "") -> dict[str, object]:

@@ -29,12 +29,24 @@ class KVCache:
     mask: jax.Array
 
     @property
+    def per_layer(self) -> bool:
+        """True when k and v are tuples of one [b, S, kv_heads, head_dim] array per layer."""
+        return isinstance(self.k, tuple)
+
+    @property
     def max_len(self) -> int:
-        return self.k.shape[2]
+        return (self.k[0] if self.per_layer else self.k).shape[-3]
 
     @property
     def batch_size(self) -> int:
-        return self.k.shape[1]
+        return (self.k[0] if self.per_layer else self.k).shape[-4]
+
+    def unstacked(self) -> "KVCache":
+        """The same cache with one key and one value array per layer (a decode loop then updates
+        each layer's slot in place instead of re-assembling a stack)."""
+        if self.per_layer:
+            return self
+        return dataclasses.replace(self, k=tuple(self.k), v=tuple(self.v))
 
     @classmethod
     def create(cls, *, num_layers: int, batch: int, max_len: int, num_kv_heads: int, head_dim: int,

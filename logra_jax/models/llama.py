@@ -12,7 +12,9 @@ has shape (L, in, out)) and the layer body runs under ``jax.lax.scan``, so compi
 with depth. A layer's type (full or sliding) is a scanned boolean that picks its mask and RoPE
 frequencies, so mixed stacks still scan. Parameter names follow Hugging Face (``embed_tokens``,
 ``self_attn.q_proj``, ``pre_feedforward_layernorm`` ...) with Flax leaf names (``kernel`` (in, out),
-``bias``, ``embedding``, ``scale``).
+``bias``, ``embedding``, ``scale``). A decode loop may instead pass ``layers=`` (the stack split
+once into per-layer arrays, `Decoder.unstacked_layers`) with a per-layer cache: the same layers,
+run one after the other, each reading its own arrays in place (what the sampler does on CPU).
 
 The KV cache holds every slot for every layer, sliding ones included: one cache stack of one
 shape is what lets the layers scan. A window-sized ring buffer for Gemma's sliding layers would
@@ -252,6 +254,18 @@ class Decoder(nnx.Module):
         head = self.head_kernel().astype(hidden.dtype)
         return jnp.einsum("...d,dv->...v", hidden, head, preferred_element_type=jnp.float32)
 
+    def unstacked_layers(self) -> tuple:
+        """The layer stack's weights as one state per layer, each its own array (for a decode loop).
+
+        XLA on CPU copies a scanned layer's weights out of the stack before its dots, so a scanned
+        decode step moves every weight three times; arrays made once per generate call are read
+        in place. The optimization barrier keeps XLA from sinking the slices back into the loop.
+        Costs one copy of the layer weights while it lives.
+        """
+        _, stacked = nnx.split(self.layers)
+        return jax.lax.optimization_barrier(
+            tuple(jax.tree.map(lambda x: x[i], stacked) for i in range(self.config.num_layers)))
+
     def init_cache(self, batch: int, max_len: int) -> KVCache:
         """An empty KVCache for ``batch`` sequences of up to ``max_len`` tokens (compute dtype)."""
         c = self.config
@@ -286,7 +300,7 @@ class Decoder(nnx.Module):
 
     def __call__(self, tokens: jax.Array, *, positions: jax.Array | None = None,
                  segment_mask: jax.Array | None = None, probes: dict[str, SketchProbe] | None = None,
-                 cache: KVCache | None = None, return_hidden: bool = False):
+                 cache: KVCache | None = None, return_hidden: bool = False, layers=None):
         """Logits [b, t, V] fp32 (or the final-normed hidden [b, t, d]); with a cache, (out, new cache).
 
         tokens: int32 [b, t]. positions: int32 [b, t] RoPE positions (default: cache index + arange).
@@ -329,6 +343,9 @@ class Decoder(nnx.Module):
             key_slot = jnp.arange(cache.max_len)
             mask = (key_slot[None, :] <= query_slot[:, None])[None] & new_mask[:, None, :]
             kv_stack = (cache.k, cache.v)
+            if (layers is not None) != cache.per_layer:
+                raise ValueError("per-layer weights (layers=) go with a per-layer cache "
+                                 "(KVCache.unstacked()) and the other way round")
 
         x = shard_batch(self.embed_tokens(tokens))
         cos, sin = rotary_cos_sin(positions, inverse_frequencies(c.head_dim, c.rope_theta, c.rope_scaling),
@@ -351,10 +368,23 @@ class Decoder(nnx.Module):
                 mask_l = mask & (window[None] | ~sliding_l)
             return block(shard_batch(h), cos_l, sin_l, mask_l, probes_l, kv_l, offset)
 
-        if c.remat:
-            # Backward recomputes each layer from its input instead of keeping its activations.
-            layer = jax.checkpoint(layer, prevent_cse=False)
-        x, new_kv = jax.lax.scan(layer, x, (layer_params, layer_probes, kv_stack, sliding))
+        if layers is not None:
+            # Decoding with per-layer weights (unstacked_layers): the layers run one after the
+            # other, each reading its own weight and cache arrays in place.
+            new_k, new_v = [], []
+            for i, params_i in enumerate(layers):
+                probes_i = jax.tree.map(lambda a: a[i], layer_probes)
+                kv_i = None if cache is None else (cache.k[i], cache.v[i])
+                x, kv_i = layer(x, (params_i, probes_i, kv_i, sliding[i]))
+                if kv_i is not None:
+                    new_k.append(kv_i[0])
+                    new_v.append(kv_i[1])
+            new_kv = (tuple(new_k), tuple(new_v))
+        else:
+            if c.remat:
+                # Backward recomputes each layer from its input instead of keeping its activations.
+                layer = jax.checkpoint(layer, prevent_cse=False)
+            x, new_kv = jax.lax.scan(layer, x, (layer_params, layer_probes, kv_stack, sliding))
         x = self.norm(x)
         out = x if return_hidden else self.logits(x)
         if cache is None:

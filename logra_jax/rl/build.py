@@ -290,7 +290,7 @@ def build_sampler(rl: ml_collections.ConfigDict, policy: Policy, tokenizer) -> S
     pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eos_id
     return Sampler(policy, max_prompt_length=rl.max_prompt_length,
                    max_completion_length=rl.max_completion_length, eos_ids=[tokenizer.eos_id],
-                   pad_id=pad_id)
+                   pad_id=pad_id, decode_weights=rl.decode_weights)
 
 
 def build_rollout_spec(config: ml_collections.ConfigDict) -> RolloutSpec:
