@@ -9,7 +9,7 @@ from flax import nnx
 from logra_jax.models import Decoder
 from logra_jax.models.config import tiny
 from logra_jax.rl.policy import Policy, Sequences
-from logra_jax.rl.sampler import Sampler, categorical, filter_logits, left_align, pad_prompts
+from logra_jax.rl.sampler import Sampler, filter_logits, left_align, pad_prompts
 
 PROMPT_LEN, STEPS, PAD = 8, 6, 0
 
@@ -114,26 +114,6 @@ def test_per_layer_decode_matches_the_scanned_stack():
     with pytest.raises(ValueError, match="decode_weights must be one of"):
         Sampler(policy, max_prompt_length=4, max_completion_length=4, eos_ids=[1], pad_id=PAD,
                 decode_weights="unrolled")
-
-
-def test_categorical_draws_from_the_softmax():
-    """The two-level inverse-CDF draw: frequencies of 40 000 draws within 4.5 standard errors
-    of softmax(logits), over a vocabulary that is not a multiple of the block and whose blocks
-    end in zero-probability entries (never drawn), for a batch of two rows."""
-    vocab, block, draws = 11, 4, 40_000
-    rng = np.random.default_rng(0)
-    logits = rng.normal(size=(2, vocab)).astype(np.float32)
-    logits[0, [3, 7, 10]] = -np.inf            # ends of blocks 0 and 1, and the last entry
-    logits[1, :5] = -1e30                      # filtered like filter_logits does
-    keys = jax.random.split(jax.random.PRNGKey(0), draws)
-    tokens = np.asarray(jax.jit(jax.vmap(lambda k: categorical(k, jnp.asarray(logits), block)))(keys))
-    assert tokens.shape == (draws, 2) and tokens.dtype == np.int32
-    for row in range(2):
-        p = np.exp(logits[row] - logits[row].max())
-        p /= p.sum()
-        freq = np.bincount(tokens[:, row], minlength=vocab) / draws
-        assert np.all(freq[p == 0] == 0)
-        np.testing.assert_array_less(np.abs(freq - p), 4.5 * np.sqrt(p * (1 - p) / draws) + 1e-12)
 
 
 def test_filters():

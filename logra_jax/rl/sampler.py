@@ -94,35 +94,6 @@ def filter_logits(logits: jax.Array, top_k: int, top_p: float) -> jax.Array:
     return logits
 
 
-def categorical(key: jax.Array, logits: jax.Array, block: int = 256) -> jax.Array:
-    """One token per row drawn from softmax(logits) [..., V] by inverting its CDF, in two levels.
-
-    With p = exp(logits − max) (entries at −inf get 0) and u ~ U(0, 1], the token is the first i
-    with Σ_{j≤i} p_j ≥ u·Σ p: exactly P(i) = p_i / Σ p, from one uniform per row. The CDF is taken
-    over blocks of ``block`` entries (which block holds u's mass) and then inside that block, so
-    only two short running sums are formed; a running sum over the whole vocabulary, or the
-    Gumbel-max draw (`jax.random.categorical`: V random words and two logarithms per row), costs
-    ten to twenty times more on CPU, where it was a tenth of each decode step. A token of zero
-    probability is never drawn: the first index reaching u·Σ p has p > 0, and the clamp that
-    guards the last index against rounding stops at the block's last positive entry.
-    """
-    *batch, vocab = logits.shape
-    blocks = -(-vocab // block)
-    p = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
-    p = jnp.pad(p, [(0, 0)] * len(batch) + [(0, blocks * block - vocab)])
-    p = p.reshape(*batch, blocks, block)
-    mass = jnp.sum(p, axis=-1)                                   # [..., blocks]
-    cdf = jnp.cumsum(mass, axis=-1)
-    u = (1.0 - jax.random.uniform(key, tuple(batch), jnp.float32)) * cdf[..., -1]
-    j = jnp.minimum(jnp.sum(cdf < u[..., None], axis=-1), blocks - 1)
-    pick = lambda x: jnp.take_along_axis(x, j[..., None], axis=-1)[..., 0]   # noqa: E731
-    within = jnp.take_along_axis(p, j[..., None, None], axis=-2)[..., 0, :]   # [..., block]
-    rest = u - (pick(cdf) - pick(mass))                          # u's mass left inside block j
-    last_positive = block - 1 - jnp.argmax(within[..., ::-1] > 0, axis=-1)
-    i = jnp.minimum(jnp.sum(jnp.cumsum(within, axis=-1) < rest[..., None], axis=-1), last_positive)
-    return (j * block + i).astype(jnp.int32)
-
-
 class Sampler:
     """Generates completions for a model whose weights change between calls.
 
@@ -211,7 +182,7 @@ class Sampler:
             if greedy:
                 token = jnp.argmax(logits_t, axis=-1).astype(jnp.int32)
             else:
-                token = categorical(key, filter_logits(scaled, top_k, top_p))
+                token = jax.random.categorical(key, filter_logits(scaled, top_k, top_p)).astype(jnp.int32)
             return token, jnp.take_along_axis(logprobs_all, token[:, None], axis=-1)[:, 0]
 
         def cond(carry):
