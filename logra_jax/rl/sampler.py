@@ -107,7 +107,7 @@ class Sampler:
         way, then the weights and the cache are split into one array per layer, once per call,
         and each decode step runs the layers one after the other on those arrays. XLA's CPU
         backend copies a scanned layer's weights out of the stack before every dot, so a stacked
-        decode step moves each weight three times (measured 1.4× faster per_layer at batch 16 on
+        decode step moves each weight three times (measured 1.3× faster per_layer at batch 16 on
         SmolLM2, README "Rollout speed"); the price is a second copy of the layer weights while
         sampling, and a longer compile. "auto" (default): per_layer on CPU, stacked elsewhere.
     """
