@@ -27,6 +27,11 @@ The merge alone (``--merge``): per width, ``LowRankUpdate.merge_into`` of a stac
 one plain fp32 dot (what the merge was before it had to give the same bits on every mesh),
 interleaved medians of ``repeats`` runs each.
 
+Where the time goes (``--profile``): per width, one update of each optimizer (after two warm-up
+calls) runs under ``jax.profiler`` and logra_jax/profiling.py splits its wall time into
+categories (the model's matmuls and other operations, LoGRA's sketch products, A's generation,
+the merge, the optimizer); the table gives both optimizers' milliseconds side by side.
+
 Peak memory (for an accelerator; one optimizer per process, because the high-water mark of a
 device cannot be reset):
 
@@ -66,6 +71,8 @@ _RANK = flags.DEFINE_integer("rank", 256, "LoGRA rank r.")
 _MERGE = flags.DEFINE_bool("merge", False, "Time the low-rank merge alone: order-free vs a plain dot.")
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype.")
 _MICRO = flags.DEFINE_integer("micro_steps", 1, "Micro-batches of --rows per update.")
+_PROFILE = flags.DEFINE_bool("profile", False, "Profile one update of each optimizer per width "
+                             "and print where its wall time goes (instead of timing).")
 
 
 def bench_config(width: int, layers: int, rows: int, prompt_length: int, completion_length: int,
@@ -168,6 +175,50 @@ def time_widths(widths, layers, rows, prompt_length, completion_length, rank, dt
     return results
 
 
+def profile_widths(widths, layers, rows, prompt_length, completion_length, rank, dtype,
+                   micro_steps=1):
+    """[(width, {optimizer: profiling.Profile})]: one profiled update each, after two warm-ups
+    (the first calls after a compile run slower: fresh buffers)."""
+    import jax
+    from logra_jax import model_shapes, profiling
+    from logra_jax.rl.build import build_mesh
+
+    mesh = build_mesh({"fsdp": -1, "tensor": 1}, jax.devices(), spare_devices=True)
+    results = []
+    for width in widths:
+        config = bench_config(width, layers, rows, prompt_length, completion_length, rank, dtype,
+                              micro_steps)
+        model_config = model_shapes.model_config_from(config.model).replace(vocab_size=8192)
+        profiles = {}
+        for name in ("logra", "adamw"):
+            config.optimizer.name = name
+            update, params, opt_state, batch = build(config, model_config, mesh)
+            compiled = update.jitted(params, opt_state).lower(params, opt_state, batch).compile()
+            for _ in range(2):
+                params, opt_state, _ = jax.block_until_ready(compiled(params, opt_state, batch))
+            profiles[name], _ = profiling.profile_call(compiled, (params, opt_state, batch))
+            del update, params, opt_state, batch, compiled
+        results.append((width, profiles))
+    return results
+
+
+def print_profiles(results):
+    from logra_jax import profiling
+    order = ([profiling.MATMULS, profiling.OTHER] + [name for _, name in profiling.SCOPES]
+             + [profiling.IDLE])
+    for width, profiles in results:
+        print(f"width {width}: wall ms of one update, split by logra_jax/profiling.py")
+        print(f"{'':38} {'logra ms':>9} {'adamw ms':>9} {'logra − adamw':>14}")
+        for name in order:
+            ms = {k: p.categories.get(name, 0.0) for k, p in profiles.items()}
+            if any(ms.values()):
+                print(f"{name:38} {ms['logra']:>9.1f} {ms['adamw']:>9.1f} "
+                      f"{ms['logra'] - ms['adamw']:>+14.1f}")
+        total = {k: sum(p.categories.values()) for k, p in profiles.items()}
+        print(f"{'total (traced)':38} {total['logra']:>9.1f} {total['adamw']:>9.1f} "
+              f"{total['logra'] - total['adamw']:>+14.1f}   ratio {total['logra'] / total['adamw']:.3f}")
+
+
 def time_merge(widths, layers, rank, repeats):
     """[(width, {"order-free": median ms, "plain dot": median ms})] for a (layers, d, 3d) stack."""
     import jax
@@ -263,6 +314,15 @@ def main(argv):
         for width, ms in time_merge(widths, _LAYERS.value, _RANK.value, _REPEATS.value):
             print(f"{width:>6} {ms['order-free']:>14.1f} {ms['plain dot']:>13.1f} "
                   f"{ms['order-free'] / ms['plain dot']:>6.2f}")
+        return
+    if _PROFILE.value:
+        import jax
+        print(cpu_model())
+        print(f"one update, {_MICRO.value} micro-step(s) of {_ROWS.value} × "
+              f"{_PROMPT.value + _COMPLETION.value} tokens, {_LAYERS.value} layers, rank "
+              f"{_RANK.value}, {_DTYPE.value}, remat, {jax.default_backend()} × {jax.device_count()}")
+        print_profiles(profile_widths(widths, _LAYERS.value, _ROWS.value, _PROMPT.value,
+                                      _COMPLETION.value, _RANK.value, _DTYPE.value, _MICRO.value))
         return
     results = time_widths(widths, _LAYERS.value, _ROWS.value, _PROMPT.value, _COMPLETION.value,
                           _RANK.value, _DTYPE.value, _REPEATS.value, _MICRO.value)

@@ -38,15 +38,16 @@ def projection_keys(seed: int, path: str, update_index: jax.Array | int,
     Returns one key (``stack_shape == ()``) or an array of keys of shape ``stack_shape``, one per
     layer of a stacked weight, so every layer of a scanned stack gets its own A.
     """
-    key = jax.random.fold_in(jax.random.PRNGKey(seed), layer_id(path))
-    key = jax.random.fold_in(key, jnp.asarray(update_index, jnp.uint32))
-    if not stack_shape:
-        return key
-    num = 1
-    for d in stack_shape:
-        num *= d
-    keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(num, dtype=jnp.uint32))
-    return keys.reshape(stack_shape + keys.shape[1:])
+    with jax.named_scope("logra_projection"):  # named for profiles (logra_jax/profiling.py)
+        key = jax.random.fold_in(jax.random.PRNGKey(seed), layer_id(path))
+        key = jax.random.fold_in(key, jnp.asarray(update_index, jnp.uint32))
+        if not stack_shape:
+            return key
+        num = 1
+        for d in stack_shape:
+            num *= d
+        keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(num, dtype=jnp.uint32))
+        return keys.reshape(stack_shape + keys.shape[1:])
 
 
 def projection_parts(key: jax.Array, rank: int, in_dim: int,
@@ -56,12 +57,14 @@ def projection_parts(key: jax.Array, rank: int, in_dim: int,
     The merge (low_rank.order_free_matmul) uses the parts: a ±1 matrix has one significant bit,
     which is what lets it multiply without rounding.
     """
-    if distribution == "rademacher":
-        unit = jax.random.rademacher(key, (rank, in_dim), dtype=jnp.float32)
-    elif distribution == "gaussian":
-        unit = jax.random.normal(key, (rank, in_dim), dtype=jnp.float32)
-    else:
+    if distribution not in DISTRIBUTIONS:
         raise ValueError(f"distribution must be one of {DISTRIBUTIONS}, got {distribution!r}")
+    # Named for profiles (logra_jax/profiling.py): where regenerating A costs time.
+    with jax.named_scope("logra_projection"):
+        if distribution == "rademacher":
+            unit = jax.random.rademacher(key, (rank, in_dim), dtype=jnp.float32)
+        else:
+            unit = jax.random.normal(key, (rank, in_dim), dtype=jnp.float32)
     return unit, 1.0 / jnp.sqrt(jnp.asarray(rank, jnp.float32))
 
 

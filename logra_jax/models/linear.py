@@ -53,7 +53,8 @@ def _sketched_matmul_jvp(primals, tangents):
     if not isinstance(dkernel, SymbolicZero):
         terms.append(x @ dkernel)
     if not isinstance(dfactor, SymbolicZero):
-        terms.append((x @ a.T) @ dfactor.T)
+        with jax.named_scope("logra_sketch"):  # named for profiles (logra_jax/profiling.py)
+            terms.append((x @ a.T) @ dfactor.T)
     dy = sum(terms[1:], terms[0]) if terms else jnp.zeros_like(y)
     return y, dy
 
@@ -86,7 +87,9 @@ class Linear(nnx.Module):
             if probe.factor_is_zero:
                 y = sketched_matmul(x, kernel, a, factor)
             else:
-                y = x @ kernel + (x @ a.T) @ factor.T
+                with jax.named_scope("logra_sketch"):
+                    branch = (x @ a.T) @ factor.T
+                y = x @ kernel + branch
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
         return y

@@ -132,6 +132,7 @@ def make_predict_kl(logits_fn: Callable, others, factors: dict[str, jax.Array],
     updates elsewhere; ``LowRankUpdate`` leaves are read through their factor, their weight decay
     is not part of the prediction) and runs one ``jax.jvp``.
     """
+    @jax.named_scope("predicted_kl")  # named for profiles (logra_jax/profiling.py)
     def predict_kl(updates) -> jax.Array:
         target_tangent, other_tangent = _split_candidate(updates, factors, "predict_kl")
         if others_frozen:
@@ -181,6 +182,7 @@ def make_candidate_kl(hidden_fn: Callable, others, factors: dict[str, jax.Array]
     The candidate's non-target updates are added to ``others`` (one temporary copy of them); a
     ``LowRankUpdate``'s weight decay is not part of it (the same approximation as the prediction's).
     """
+    @jax.named_scope("predicted_kl")
     def candidate_kl(updates) -> jax.Array:
         target_factors, other_updates = _split_candidate(updates, factors, "candidate_kl")
         others_new = others if others_frozen else jax.tree.map(

@@ -273,14 +273,16 @@ class PolicyUpdate:
                                                others_frozen=frozen),
                 # NaN: no completed response this step, nothing observed (the EMA stays).
                 mismatch=jnp.where(mismatch_count > 0, mismatch, jnp.nan))
-        if self.subtree is not None:
-            trained = params[self.subtree]
-            updates, opt_state = self.tx.update(grads, opt_state, trained, **extra)
-            params = dict(params, **{self.subtree: optax.apply_updates(trained, updates)})
-            changed = None
-        else:
-            updates, opt_state = self.tx.update(grads, opt_state, params, **extra)
-            params, changed = apply_updates_counting_changes(params, updates)
+        # Named for profiles (logra_jax/profiling.py): the optimizer's own time, merges included.
+        with jax.named_scope("optimizer"):
+            if self.subtree is not None:
+                trained = params[self.subtree]
+                updates, opt_state = self.tx.update(grads, opt_state, trained, **extra)
+                params = dict(params, **{self.subtree: optax.apply_updates(trained, updates)})
+                changed = None
+            else:
+                updates, opt_state = self.tx.update(grads, opt_state, params, **extra)
+                params, changed = apply_updates_counting_changes(params, updates)
         if any(isinstance(u, LowRankUpdate) for _, u in leaves_with_paths(updates)):
             # Of the target entries, how many stored values this update changed: with bf16 weights
             # and round-to-nearest, what did not change is the part of the update that was lost.
