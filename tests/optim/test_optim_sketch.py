@@ -113,7 +113,8 @@ def test_no_dense_target_gradient_in_the_jaxpr(tiny):
     params, loss = tiny
     probes = make_probes(params, 0, SPEC)
     target_kernels, others = split_targets(params, SPEC)
-    tokens = jnp.zeros((2, 7), jnp.int32)
+    # 2 × 5 = 10 flat tokens (Linear flattens them): no activation shape equals a kernel's.
+    tokens = jnp.zeros((2, 6), jnp.int32)
     dense_shapes = set()
     for kernel in target_kernels.values():      # (in, out), its transpose, and the stacked forms
         *stack, i, o = kernel.shape
