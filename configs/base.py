@@ -126,7 +126,7 @@ def get_config() -> ml_collections.ConfigDict:
         max_grad_norm=placeholder(float),  # None: 1.0 for grpo, no clipping for kl; inf: none
         # sketch and RowAdam (§2–4)
         targets=DEFAULT_TARGETS, rank=256, b2=0.95, eps=1e-8, seed=42, refresh=True,
-        distribution="rademacher",
+        distribution="rademacher",        # | "gaussian" | "rademacher_threefry" (the reference's A)
         others=placeholder(str),          # "adamw" | "frozen"; None: adamw for grpo, frozen for kl
         others_learning_rate=5e-6, others_weight_decay=0.0, others_warmup_steps=0,
         # predicted-KL control (§6)

@@ -11,6 +11,19 @@ target layer, the optimizer's merge ΔW = −η·D·A, the rollout engine's rece
 where ``path_l`` is the target's parameter path (e.g. ``"layers/attn/q_proj/kernel"``), ``k`` the
 update index and ``i`` the index of the layer inside a stacked (scanned) weight. Entries are
 ±1/√r (Rademacher) or N(0, 1/r) (Gaussian), so E[AᵀA] = I.
+
+How a Rademacher A is drawn from its key (``"rademacher"``): entry (a, j) is the top bit of a
+counter-based hash,
+
+    sign(a, j) = top bit of  mix(mix(c ⊕ s₀) ⊕ s₁),   c = a·in + j,   (s₀, s₁) = bits(key)
+
+where ``mix`` is a 32-bit integer finaliser (xor-shift, multiply, xor-shift, multiply, xor-shift)
+and (s₀, s₁) are two threefry words of the key. Every entry is one elementwise expression of its
+own index — no loop, no state — so XLA fuses it into whatever reads A, and integer arithmetic gives
+the same bits on every backend. Why not threefry for every entry: XLA:CPU runs threefry as a loop
+of rounds whose carried state it copies each round, measured at 5 % of a LoGRA update at width
+2048 (``launch.step_time --profile``). ``"rademacher_threefry"`` keeps jax.random.rademacher's
+stream (what the reference implementation draws, for side-by-side checks).
 """
 
 from __future__ import annotations
@@ -22,8 +35,9 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-Distribution = Literal["rademacher", "gaussian"]
-DISTRIBUTIONS: tuple[str, ...] = ("rademacher", "gaussian")
+Distribution = Literal["rademacher", "gaussian", "rademacher_threefry"]
+DISTRIBUTIONS: tuple[str, ...] = ("rademacher", "gaussian", "rademacher_threefry")
+SIGN_DISTRIBUTIONS: tuple[str, ...] = ("rademacher", "rademacher_threefry")   # entries ±1/√r
 
 
 def layer_id(path: str) -> int:
@@ -62,10 +76,35 @@ def projection_parts(key: jax.Array, rank: int, in_dim: int,
     # Named for profiles (logra_jax/profiling.py): where regenerating A costs time.
     with jax.named_scope("logra_projection"):
         if distribution == "rademacher":
+            bits = hashed_bits(key, (rank, in_dim))
+            unit = jnp.where(bits >> 31 == 0, 1.0, -1.0).astype(jnp.float32)
+        elif distribution == "rademacher_threefry":
             unit = jax.random.rademacher(key, (rank, in_dim), dtype=jnp.float32)
         else:
             unit = jax.random.normal(key, (rank, in_dim), dtype=jnp.float32)
     return unit, 1.0 / jnp.sqrt(jnp.asarray(rank, jnp.float32))
+
+
+def _mix32(x: jax.Array) -> jax.Array:
+    """A bijective 32-bit finaliser (xor-shift-multiply; constants of C. Wellons' "lowbias32"
+    search): every input bit reaches every output bit, with low bias."""
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x21F0AAAD)
+    x = x ^ (x >> 15)
+    x = x * jnp.uint32(0xD35A2D97)
+    return x ^ (x >> 15)
+
+
+def hashed_bits(key: jax.Array, shape: tuple[int, int]) -> jax.Array:
+    """uint32 (rows, cols): entry (a, j) = mix(mix(a·cols + j ⊕ s₀) ⊕ s₁), (s₀, s₁) = bits(key)."""
+    rows, cols = shape
+    if rows * cols > 2 ** 32:
+        raise ValueError(f"a projection of {rows} × {cols} entries has more than 2³² of them; "
+                         f"the hashed counter would repeat")
+    s = jax.random.bits(key, (2,), jnp.uint32)
+    counter = (jax.lax.broadcasted_iota(jnp.uint32, shape, 0) * jnp.uint32(cols)
+               + jax.lax.broadcasted_iota(jnp.uint32, shape, 1))
+    return _mix32(_mix32(counter ^ s[0]) ^ s[1])
 
 
 def projection(key: jax.Array, rank: int, in_dim: int, distribution: Distribution = "rademacher",

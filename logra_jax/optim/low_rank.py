@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from logra_jax.optim.order_free import order_free_matmul, rounded
 from logra_jax.optim.rounding import round_to
-from logra_jax.projections import projection, projection_parts
+from logra_jax.projections import SIGN_DISTRIBUTIONS, projection, projection_parts
 
 _HIGHEST = jax.lax.Precision.HIGHEST  # fp32 arithmetic on every backend (no TF32/bf16 passes)
 
@@ -166,7 +166,7 @@ def _delta_one(u, key, in_dim, distribution):
     """
     unit, scale = projection_parts(key, u.shape[-1], in_dim, distribution)    # (r, in)
     scaled = rounded(rounded(u).astype(jnp.float32) * scale)
-    return order_free_matmul(unit.T, scaled.T, x_is_sign=distribution == "rademacher")
+    return order_free_matmul(unit.T, scaled.T, x_is_sign=distribution in SIGN_DISTRIBUTIONS)
 
 
 # Folded into A's key for the rounding bits: a key of its own, a function of (seed, target, k, layer).

@@ -66,7 +66,8 @@ class SketchSpec:
       rank: r. A target's rank is capped at its input width: r_l = min(rank, in_l), because
         r ≥ in cannot compress G·Aᵀ further (the sketch would be at least as wide as the gradient).
       seed: base seed of every projection.
-      distribution: "rademacher" (±1/√r, default) or "gaussian" (N(0, 1/r)).
+      distribution: "rademacher" (±1/√r from hashed signs, default), "rademacher_threefry" (±1/√r,
+        jax.random.rademacher's stream) or "gaussian" (N(0, 1/r)).
       refresh: draw a fresh A after every update (k advances); False keeps A at k = 0 forever.
     """
 
