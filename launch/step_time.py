@@ -5,8 +5,8 @@ Step time (CPU by default, any backend):
     python -m launch.step_time [--widths 512,1024,2048] [--layers 2] [--rows 8] \
         [--prompt_length 64] [--completion_length 192] [--repeats 5] [--rank 256] [--micro_steps 1]
 
-builds, per width d, a decoder with d-wide layers (head_dim 64, GQA 2:1, MLP 3d, vocabulary 8192,
-fp32, per-layer remat), runs the trainer's jitted update (`PolicyUpdate`, as configs/base.py sets
+builds, per width d, a decoder with d-wide layers (head_dim 64, GQA 2:1, MLP 3d, vocabulary
+``--vocab`` = 8192, fp32, per-layer remat), runs the trainer's jitted update (`PolicyUpdate`, as configs/base.py sets
 it up, GRPO loss, same batch and sequence for both optimizers) on a random batch, and times it:
 one warm-up (compile) call each, then ``repeats`` rounds in which the two optimizers alternate
 (their order flips every round, so background load hits both alike). It prints the median
@@ -21,6 +21,11 @@ than this single micro-batch does. ``--micro_steps K`` makes one update K micro-
 ``rows`` (configs/qwen2_5_7b_gsm8k.py: K = 32 per training device, one 2048-token sequence each):
 the sketches are paid every micro-step, the merge once. The table starts with the CPU model
 (XLA picks other kernels on AVX2 and AVX-512 machines).
+
+A 7B-proportioned stand-in at width 512 scales what sets the ratio with the width: the rank
+(r/in = 256/3584 = 0.07 at 7B: ``--rank 32``) and the head (the 7B head is 8 % of its layers'
+weights, the default 8192-entry vocabulary at width 512 with 2 layers 67 %: ``--vocab 1024``),
+with the 7B config's 32 micro-steps: ``--widths 512 --rank 32 --vocab 1024 --micro_steps 32``.
 
 The merge alone (``--merge``): per width, ``LowRankUpdate.merge_into`` of a stack of ``layers``
 (d × 3d) MLP kernels — the order-free product of optim/order_free.py — against the same merge with
@@ -71,6 +76,7 @@ _RANK = flags.DEFINE_integer("rank", 256, "LoGRA rank r.")
 _MERGE = flags.DEFINE_bool("merge", False, "Time the low-rank merge alone: order-free vs a plain dot.")
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype.")
 _MICRO = flags.DEFINE_integer("micro_steps", 1, "Micro-batches of --rows per update.")
+_VOCAB = flags.DEFINE_integer("vocab", 8192, "Vocabulary size (the head's width).")
 _PROFILE = flags.DEFINE_bool("profile", False, "Profile one update of each optimizer per width "
                              "and print where its wall time goes (instead of timing).")
 
@@ -137,7 +143,7 @@ def build(config, model_config, mesh, seed: int = 0):
 
 
 def time_widths(widths, layers, rows, prompt_length, completion_length, rank, dtype, repeats,
-                micro_steps=1):
+                micro_steps=1, vocab=8192):
     """[(width, params, {optimizer: median ms}, {optimizer: XLA flops})] — see the module docstring."""
     import jax
     from logra_jax import model_shapes
@@ -148,7 +154,7 @@ def time_widths(widths, layers, rows, prompt_length, completion_length, rank, dt
     for width in widths:
         config = bench_config(width, layers, rows, prompt_length, completion_length, rank, dtype,
                               micro_steps)
-        model_config = model_shapes.model_config_from(config.model).replace(vocab_size=8192)
+        model_config = model_shapes.model_config_from(config.model).replace(vocab_size=vocab)
         runs, times, flops = {}, {"logra": [], "adamw": []}, {}
         for name in times:
             config.optimizer.name = name
@@ -176,7 +182,7 @@ def time_widths(widths, layers, rows, prompt_length, completion_length, rank, dt
 
 
 def profile_widths(widths, layers, rows, prompt_length, completion_length, rank, dtype,
-                   micro_steps=1):
+                   micro_steps=1, vocab=8192):
     """[(width, {optimizer: profiling.Profile})]: one profiled update each, after two warm-ups
     (the first calls after a compile run slower: fresh buffers)."""
     import jax
@@ -188,7 +194,7 @@ def profile_widths(widths, layers, rows, prompt_length, completion_length, rank,
     for width in widths:
         config = bench_config(width, layers, rows, prompt_length, completion_length, rank, dtype,
                               micro_steps)
-        model_config = model_shapes.model_config_from(config.model).replace(vocab_size=8192)
+        model_config = model_shapes.model_config_from(config.model).replace(vocab_size=vocab)
         profiles = {}
         for name in ("logra", "adamw"):
             config.optimizer.name = name
@@ -304,6 +310,8 @@ def main(argv):
         sys.exit(f"error: --rows must be an even number ≥ 2 (GRPO groups of 2), got {_ROWS.value}")
     if _MICRO.value < 1:
         sys.exit(f"error: --micro_steps must be ≥ 1, got {_MICRO.value}")
+    if _VOCAB.value < 2:
+        sys.exit(f"error: --vocab must be ≥ 2, got {_VOCAB.value}")
     if _MERGE.value:
         if _REPEATS.value < 1:
             sys.exit("error: --merge times the merge: it needs --repeats ≥ 1")
@@ -319,18 +327,20 @@ def main(argv):
         import jax
         print(cpu_model())
         print(f"one update, {_MICRO.value} micro-step(s) of {_ROWS.value} × "
-              f"{_PROMPT.value + _COMPLETION.value} tokens, {_LAYERS.value} layers, rank "
+              f"{_PROMPT.value + _COMPLETION.value} tokens, {_LAYERS.value} layers, vocabulary "
+              f"{_VOCAB.value}, rank "
               f"{_RANK.value}, {_DTYPE.value}, remat, {jax.default_backend()} × {jax.device_count()}")
         print_profiles(profile_widths(widths, _LAYERS.value, _ROWS.value, _PROMPT.value,
-                                      _COMPLETION.value, _RANK.value, _DTYPE.value, _MICRO.value))
+                                      _COMPLETION.value, _RANK.value, _DTYPE.value, _MICRO.value,
+                                      _VOCAB.value))
         return
     results = time_widths(widths, _LAYERS.value, _ROWS.value, _PROMPT.value, _COMPLETION.value,
-                          _RANK.value, _DTYPE.value, _REPEATS.value, _MICRO.value)
+                          _RANK.value, _DTYPE.value, _REPEATS.value, _MICRO.value, _VOCAB.value)
     import jax
     print(cpu_model())
     print(f"one update, {_MICRO.value} micro-step(s) of {_ROWS.value} × "
-          f"{_PROMPT.value + _COMPLETION.value} tokens, {_LAYERS.value} layers, "
-          f"rank {_RANK.value}, {_DTYPE.value}, remat, {jax.default_backend()} × {jax.device_count()}; "
+          f"{_PROMPT.value + _COMPLETION.value} tokens, {_LAYERS.value} layers, vocabulary "
+          f"{_VOCAB.value}, rank {_RANK.value}, {_DTYPE.value}, remat, {jax.default_backend()} × {jax.device_count()}; "
           + (f"median of {_REPEATS.value} interleaved runs" if _REPEATS.value else "XLA operation counts only"))
     print(f"{'width':>6} {'params':>8} {'logra ms':>9} {'adamw ms':>9} {'time ratio':>11} "
           f"{'logra GFLOP':>12} {'adamw GFLOP':>12} {'FLOP ratio':>11}")
