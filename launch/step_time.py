@@ -142,19 +142,32 @@ def build(config, model_config, mesh, seed: int = 0):
     return update, params, opt_state, batch
 
 
-def time_widths(widths, layers, rows, prompt_length, completion_length, rank, dtype, repeats,
-                micro_steps=1, vocab=8192):
-    """[(width, params, {optimizer: median ms}, {optimizer: XLA flops})] — see the module docstring."""
+def width_configs(widths, layers, rows, prompt_length, completion_length, rank, dtype,
+                  micro_steps=1, vocab=8192):
+    """(mesh over this process's devices, [(width, config, model config)]) of the benchmark."""
     import jax
     from logra_jax import model_shapes
     from logra_jax.rl.build import build_mesh
 
     mesh = build_mesh({"fsdp": -1, "tensor": 1}, jax.devices(), spare_devices=True)
-    results = []
+    setups = []
     for width in widths:
         config = bench_config(width, layers, rows, prompt_length, completion_length, rank, dtype,
                               micro_steps)
-        model_config = model_shapes.model_config_from(config.model).replace(vocab_size=vocab)
+        setups.append((width, config,
+                       model_shapes.model_config_from(config.model).replace(vocab_size=vocab)))
+    return mesh, setups
+
+
+def time_widths(widths, layers, rows, prompt_length, completion_length, rank, dtype, repeats,
+                micro_steps=1, vocab=8192):
+    """[(width, params, {optimizer: median ms}, {optimizer: XLA flops})] — see the module docstring."""
+    import jax
+
+    mesh, setups = width_configs(widths, layers, rows, prompt_length, completion_length, rank,
+                                 dtype, micro_steps, vocab)
+    results = []
+    for width, config, model_config in setups:
         runs, times, flops = {}, {"logra": [], "adamw": []}, {}
         for name in times:
             config.optimizer.name = name
@@ -186,15 +199,12 @@ def profile_widths(widths, layers, rows, prompt_length, completion_length, rank,
     """[(width, {optimizer: profiling.Profile})]: one profiled update each, after two warm-ups
     (the first calls after a compile run slower: fresh buffers)."""
     import jax
-    from logra_jax import model_shapes, profiling
-    from logra_jax.rl.build import build_mesh
+    from logra_jax import profiling
 
-    mesh = build_mesh({"fsdp": -1, "tensor": 1}, jax.devices(), spare_devices=True)
+    mesh, setups = width_configs(widths, layers, rows, prompt_length, completion_length, rank,
+                                 dtype, micro_steps, vocab)
     results = []
-    for width in widths:
-        config = bench_config(width, layers, rows, prompt_length, completion_length, rank, dtype,
-                              micro_steps)
-        model_config = model_shapes.model_config_from(config.model).replace(vocab_size=vocab)
+    for width, config, model_config in setups:
         profiles = {}
         for name in ("logra", "adamw"):
             config.optimizer.name = name

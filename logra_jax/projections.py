@@ -29,6 +29,7 @@ stream (what the reference implementation draws, for side-by-side checks).
 from __future__ import annotations
 
 import dataclasses
+import math
 import zlib
 from typing import Literal
 
@@ -95,15 +96,15 @@ def _mix32(x: jax.Array) -> jax.Array:
     return x ^ (x >> 15)
 
 
-def hashed_bits(key: jax.Array, shape: tuple[int, int]) -> jax.Array:
-    """uint32 (rows, cols): entry (a, j) = mix(mix(a·cols + j ⊕ s₀) ⊕ s₁), (s₀, s₁) = bits(key)."""
-    rows, cols = shape
-    if rows * cols > 2 ** 32:
-        raise ValueError(f"a projection of {rows} × {cols} entries has more than 2³² of them; "
+def hashed_bits(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """uint32 random bits of ``shape``: the entry at row-major position c is
+    mix(mix(c ⊕ s₀) ⊕ s₁), (s₀, s₁) = two threefry words of ``key`` (for (rows, cols): c = a·cols + j)."""
+    size = math.prod(shape)
+    if size > 2 ** 32:
+        raise ValueError(f"{' × '.join(map(str, shape))} = {size} entries are more than 2³²; "
                          f"the hashed counter would repeat")
     s = jax.random.bits(key, (2,), jnp.uint32)
-    counter = (jax.lax.broadcasted_iota(jnp.uint32, shape, 0) * jnp.uint32(cols)
-               + jax.lax.broadcasted_iota(jnp.uint32, shape, 1))
+    counter = jax.lax.iota(jnp.uint32, size).reshape(shape)
     return _mix32(_mix32(counter ^ s[0]) ^ s[1])
 
 

@@ -9,7 +9,9 @@ rounding keeps it in expectation. For x between the bf16 neighbours lo < x < hi,
 On the fp32 bit pattern (sign · magnitude) this is: add 16 uniform random bits to the low 16 bits
 of the magnitude and truncate them; a carry into bit 16 happens with exactly that probability. The
 random bits come from a key, so the same key gives the same bf16 weights on any device — a resumed
-run or a rollout engine applying the same update reproduces them bit for bit.
+run or a rollout engine applying the same update reproduces them bit for bit. They are the top 16
+bits of projections.hashed_bits (a counter-based hash, one elementwise expression per entry):
+a weight-sized threefry draw would run as XLA:CPU's loop of rounds, copying its state each round.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from logra_jax.projections import hashed_bits
 
 ROUNDINGS = ("nearest", "stochastic")
 _SIGN, _EXPONENT = np.uint32(0x80000000), np.uint32(0x7F800000)     # fp32 bit fields
@@ -33,7 +37,7 @@ def stochastic_round_bf16(x: jax.Array, key: jax.Array) -> jax.Array:
     x = jnp.asarray(x, jnp.float32)
     # All in integers: float ops on CPU flush subnormals to zero, integer ops and bitcasts do not.
     bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
-    noise = jax.random.bits(key, x.shape, jnp.uint32) >> 16
+    noise = hashed_bits(key, x.shape) >> 16
     high = (bits + noise) >> 16                        # the bf16 bit pattern, rounded up or down
     sign, exponent = bits & _SIGN, bits & _EXPONENT
     overflowed = (high << 16) & _EXPONENT == _EXPONENT   # a finite value carried into inf
