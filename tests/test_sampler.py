@@ -9,7 +9,7 @@ from flax import nnx
 from logra_jax.models import Decoder
 from logra_jax.models.config import tiny
 from logra_jax.rl.policy import Policy, Sequences
-from logra_jax.rl.sampler import Sampler, filter_logits, left_align, pad_prompts
+from logra_jax.rl.sampler import Sampler, filter_logits, gumbel_max, left_align, pad_prompts
 
 PROMPT_LEN, STEPS, PAD = 8, 6, 0
 
@@ -124,6 +124,38 @@ def test_filters():
     assert kept(filter_logits(logits, top_k=0, top_p=0.7)).tolist() == [[True, True, False, False]]
     assert kept(filter_logits(logits, top_k=0, top_p=0.85)).tolist() == [[True, True, True, False]]
     assert kept(filter_logits(logits, top_k=0, top_p=1.0)).all()
+
+
+def test_gumbel_max_draws_from_the_softmax():
+    """40 000 rows of one 6-way distribution (one of them filtered out): the token counts pass
+    Pearson's χ² test against softmax(logits), and the filtered token never comes."""
+    probs = np.asarray([0.4, 0.25, 0.2, 0.1, 0.05, 0.0])
+    rows = 40_000
+    logits = jnp.broadcast_to(jnp.asarray(np.where(probs > 0, np.log(np.maximum(probs, 1e-30)),
+                                                   -1e30), jnp.float32), (rows, 6))
+    tokens = np.asarray(gumbel_max(jax.random.PRNGKey(7), logits))
+    counts = np.bincount(tokens, minlength=6)
+    assert counts[5] == 0
+    expected = rows * probs[:5]
+    chi2 = float(np.sum((counts[:5] - expected) ** 2 / expected))
+    assert chi2 < 18.5, (counts, chi2)   # χ²(4 dof) exceeds 18.5 with probability 0.001
+    # Another key draws other tokens; the same key the same ones.
+    again = np.asarray(gumbel_max(jax.random.PRNGKey(7), logits))
+    other = np.asarray(gumbel_max(jax.random.PRNGKey(8), logits))
+    assert (again == tokens).all() and (other != tokens).mean() > 0.5
+
+
+def test_gumbel_max_is_the_same_draw_on_any_layout():
+    """A batch split over 8 devices draws exactly the tokens of one device: the noise is a
+    function of the key and each logit's global position (what multi-host sampling needs)."""
+    logits = jax.random.normal(jax.random.PRNGKey(0), (16, 40)) * 3
+    one = np.asarray(jax.jit(gumbel_max)(jax.random.PRNGKey(1), logits))
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:8]), ("fsdp",))
+    split = jax.device_put(logits, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp")))
+    eight = np.asarray(jax.jit(gumbel_max)(jax.random.PRNGKey(1), split))
+    assert (one == eight).all()
+    # Not just the argmax of the logits: the noise moves some rows off it.
+    assert (one != np.asarray(jnp.argmax(logits, axis=-1))).any()
 
 
 def test_bad_input_is_rejected(setup):
