@@ -1,5 +1,7 @@
 """The RL loop end to end on the tiny config: LoGRA (both variants) and AdamW, resume, bad input."""
 
+import gc
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -133,6 +135,10 @@ def test_resume_is_bit_identical(trainers, straight, tmp_path):
 
 # Orbax abandons the read coroutines of the restore that fails; asyncio reports them at exit.
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+# Orbax reads a checkpoint's shards in concurrent coroutines; when one hits the torn file the
+# others are dropped unfinished, and Python reports each as "exception ignored" when it is
+# collected — expected here, so they are collected (and ignored) inside this test.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_a_damaged_checkpoint_is_set_aside_and_the_previous_one_resumes(trainers, straight,
                                                                         tmp_path):
     _run(trainers, tmp_path, max_steps=2, checkpoint=dict(every=1, keep=3))
@@ -143,6 +149,7 @@ def test_a_damaged_checkpoint_is_set_aside_and_the_previous_one_resumes(trainers
     with open(tmp_path / "metrics.jsonl", "a") as f:
         f.write('{"step": 3, "rew')
     resumed = _run(trainers, tmp_path, max_steps=3)
+    gc.collect()
     assert (ckpts / "2.damaged").is_dir()          # kept for inspection, out of orbax's way
     _assert_same_end(straight, resumed, tmp_path)
 
