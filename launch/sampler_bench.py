@@ -23,13 +23,39 @@ batch, and the ratio shows what splitting the batch over simulated devices costs
 here first: an fp32 (2048 × 2048) · (2048 × 2048) product on one device, and a copy of 256 MiB
 (bandwidth = bytes read and written / time, the faster of numpy's copy and XLA's). ``achieved/roofline`` = roofline time / measured
 time; 1.0 is the limit. The CPU model is printed with the table.
+
+What this backend's matrix products allow (one-device rows): ``dots ms`` is one decode step's
+products alone, timed at the row's batch — every layer's seven projections chained as in the
+layer and the output head, with nothing else (no norms, attention, cache writes or draw) — and
+``best`` = roofline / (prefill roofline + completion_length · dots), the highest
+achieved/roofline a sampler could reach if everything but those products were free and the
+prefill ran at the sgemm rate. A gap between ``best`` and 1 is the matmul kernels' (small-batch
+products run below the sgemm rate); the gap between achieved/roofline and ``best`` is the
+sampler's own.
 """
 
 import sys
 
 from launch import cpu_model, simulate_host_devices
 
-simulate_host_devices(8)  # before jax is imported; --meshes picks how many a row uses
+
+
+def _host_devices(argv) -> int:
+    """As many simulated devices as the largest of --meshes (default 1,8): a process with 8
+    simulated CPU devices runs even a one-device program slower (SmolLM2 at batch 16 on one
+    device: 4.82 s in an 8-device process, 3.91 s in a 1-device one, same minute), so
+    `--meshes 1` measures one device in a process of one."""
+    for i, arg in enumerate(argv):
+        if arg.startswith("--meshes"):
+            value = arg.split("=", 1)[1] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
+            try:
+                return max(int(m) for m in value.split(","))
+            except ValueError:
+                pass  # a malformed flag is reported once the flags are parsed
+    return 8
+
+
+simulate_host_devices(_host_devices(sys.argv[1:]))  # before jax is imported
 
 import statistics  # noqa: E402
 import time  # noqa: E402
@@ -122,6 +148,35 @@ def roofline_seconds(entries: int, nbytes: int, batch: int, prompt: int, steps: 
     return prefill + steps * decode_step
 
 
+def decode_dots_seconds(params, batch: int, repeats: int) -> float:
+    """Median seconds of one decode step's matrix products alone at ``batch`` rows (see the module
+    docstring), on one device, with the weights split into per-layer arrays first (as the
+    sampler's per-layer decode reads them)."""
+    import jax
+    import jax.numpy as jnp
+    from logra_jax.models.llama import LAYER_LINEARS
+    from logra_jax.tree_paths import leaves_with_paths
+    device = jax.devices()[0]
+    leaves = dict(leaves_with_paths(params))
+    stacks = {path.split("/")[-2]: leaves[path] for path in LAYER_LINEARS}
+    layers = jax.device_put([{name: w[i] for name, w in stacks.items()}
+                             for i in range(stacks["q_proj"].shape[0])], device)
+    tied = "lm_head/kernel" not in leaves
+    head = jax.device_put(leaves["embed_tokens/embedding" if tied else "lm_head/kernel"], device)
+
+    @jax.jit
+    def products(layers, head, x):
+        for w in layers:
+            q, k, v = x @ w["q_proj"], x @ w["k_proj"], x @ w["v_proj"]
+            # k and v only have to stay alive: two row sums are all that is added for them.
+            h = x + q @ w["o_proj"] + jnp.sum(k, -1, keepdims=True) + jnp.sum(v, -1, keepdims=True)
+            x = h + (h @ w["gate_proj"] * (h @ w["up_proj"])) @ w["down_proj"]
+        return jnp.einsum("bd,vd->bv" if tied else "bd,dv->bv", x, head)
+
+    x = jax.device_put(jnp.ones((batch, stacks["q_proj"].shape[1]), head.dtype), device)
+    return _median_seconds(lambda: products(layers, head, x), max(repeats, 5))
+
+
 def main(argv):
     del argv
     try:
@@ -154,7 +209,8 @@ def main(argv):
     if bad:
         sys.exit(f"error: --decode_weights {bad}: choose from {Sampler.DECODE_WEIGHTS}")
     print(f"{'devices':>7} {'batch':>5} {'decode':>9} {'seconds':>8} {'tokens/s':>9} "
-          f"{'roofline s':>10} {'achieved/roofline':>17}" + (f" {'time/first':>10}" if len(modes) > 1 else ""))
+          f"{'roofline s':>10} {'achieved/roofline':>17} {'dots ms':>8} {'best':>5}"
+          + (f" {'time/first':>10}" if len(modes) > 1 else ""))
     for devices in meshes:
         mesh = build.build_mesh({"fsdp": devices, "tensor": 1}, jax.devices()[:devices])
         model, _ = build.build_model(config.model, mesh)
@@ -177,11 +233,17 @@ def main(argv):
             limit = roofline_seconds(entries, nbytes, batch, _PROMPT.value, _COMPLETION.value,
                                      devices, flops, bandwidth,
                                      shared_host=jax.default_backend() == "cpu")
+            floor = f"{'-':>8} {'-':>5}"
+            if devices == 1:
+                dots = decode_dots_seconds(params, batch, _REPEATS.value)
+                prefill = roofline_seconds(entries, nbytes, batch, _PROMPT.value, 0, 1, flops,
+                                           bandwidth, shared_host=True)
+                floor = f"{1e3 * dots:>8.1f} {limit / (prefill + _COMPLETION.value * dots):>5.2f}"
             for mode in modes:
                 ratio = f" {seconds[mode] / seconds[modes[0]]:>10.3f}" if len(modes) > 1 else ""
                 print(f"{devices:>7} {batch:>5} {mode:>9} {seconds[mode]:>8.2f} "
                       f"{batch * _COMPLETION.value / seconds[mode]:>9.1f} {limit:>10.2f} "
-                      f"{limit / seconds[mode]:>17.2f}{ratio}", flush=True)
+                      f"{limit / seconds[mode]:>17.2f} {floor}{ratio}", flush=True)
 
 
 if __name__ == "__main__":

@@ -186,6 +186,8 @@ def test_sampler_bench_compares_decode_modes_side_by_side():
     rows = [line.split() for line in done.stdout.splitlines() if line.split()[:2] == ["1", "2"]]
     assert [row[2] for row in rows] == ["per_layer", "stacked"]
     assert float(rows[0][-1]) == 1.0 and float(rows[1][-1]) > 0
+    # One device: the decode step's products alone, and the best ratio they leave (≤ the limit).
+    assert all(float(row[7]) > 0 and 0 < float(row[8]) for row in rows)
     bad = subprocess.run([sys.executable, "-m", "launch.sampler_bench", "--config", "configs/tiny.py",
                           "--decode_weights", "unrolled"], cwd=root, capture_output=True, text=True,
                          timeout=600)

@@ -13,10 +13,13 @@ import jax.numpy as jnp
 class KVCache:
     """Keys/values of all layers for ``S`` slots, stacked over layers so ``lax.scan`` slices them.
 
-    k, v:  [L, b, kv_heads, S, head_dim] in the compute dtype. Heads before slots: attention
-           multiplies per (row, head) over the slots, and with slots first XLA's CPU backend
-           transposed the whole cache of every layer before each decode step's two dots
-           (measured: 0.6 of 4.5 s of a SmolLM2 generate call at batch 16, README "Rollout speed").
+    k:     [L, b, kv_heads, head_dim, S] and v: [L, b, kv_heads, S, head_dim], compute dtype:
+           each in the layout of its attention product, so XLA's CPU backend multiplies the
+           cache as it lies. Decoding a token reads every slot of every layer in two products,
+           q·K (contracting head_dim) and weights·V (contracting S); with both as [b, S, kv, d]
+           it wrote a transposed copy of each layer's whole K and V before those products, and
+           ran them as slow general dots (measured on SmolLM2 at batch 16: attention's products
+           17 → 4 ms of a decode step, README "Rollout speed").
     index: int32 scalar, the next slot to write (may be traced: writes use dynamic_update_slice).
     mask:  bool [b, S], True where a slot holds a real token (padding and unwritten slots are False).
 
@@ -33,12 +36,12 @@ class KVCache:
 
     @property
     def per_layer(self) -> bool:
-        """True when k and v are tuples of one [b, S, kv_heads, head_dim] array per layer."""
+        """True when k and v are tuples of one array per layer (the stack's layout less L)."""
         return isinstance(self.k, tuple)
 
     @property
     def max_len(self) -> int:
-        return (self.k[0] if self.per_layer else self.k).shape[-2]
+        return (self.v[0] if self.per_layer else self.v).shape[-2]
 
     @property
     def batch_size(self) -> int:
@@ -59,5 +62,5 @@ class KVCache:
             raise ValueError(f"KVCache needs batch > 0 and max_len > 0, got batch={batch}, "
                              f"max_len={max_len}")
         shape = (num_layers, batch, num_kv_heads, max_len, head_dim)
-        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+        return cls(k=jnp.zeros(shape[:3] + (head_dim, max_len), dtype), v=jnp.zeros(shape, dtype),
                    index=jnp.zeros((), jnp.int32), mask=jnp.zeros((batch, max_len), bool))

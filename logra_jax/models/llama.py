@@ -112,20 +112,28 @@ def grouped_query_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.
                             scale: float | None = None, *, heads_first: bool = False) -> jax.Array:
     """softmax(q·kᵀ·scale + mask)·v where query head h reads key/value head h // (H / KV).
 
-    q: [b, t, H, d]; k, v: [b, S, KV, d], or [b, KV, S, d] with ``heads_first`` (the KV cache's
-    layout); mask: bool [b, t, S] (True = may attend); scale defaults to 1/√d.
+    q: [b, t, H, d]; k, v: [b, S, KV, d], or with ``heads_first`` the KV cache's layouts, k
+    [b, KV, d, S] and v [b, KV, S, d], multiplied as canonical batched products (batch dims
+    first, then free, then contracted), which XLA:CPU runs without transposing the cache;
+    mask: bool [b, t, S] (True = may attend); scale defaults to 1/√d.
     Scores and softmax are fp32. A fully masked row (a padding query) gets uniform weights rather
     than NaN: its output is garbage but finite, and callers mask it out of every loss.
     """
     b, t, num_heads, head_dim = q.shape
     num_kv = k.shape[1 if heads_first else 2]
-    kv_spec = "bksd" if heads_first else "bskd"
     q = q.reshape(b, t, num_kv, num_heads // num_kv, head_dim)
-    scores = jnp.einsum(f"btkgd,{kv_spec}->bkgts", q, k, preferred_element_type=jnp.float32)
+    if heads_first:
+        scores = jnp.einsum("bkgtd,bkds->bkgts", q.transpose(0, 2, 3, 1, 4), k,
+                            preferred_element_type=jnp.float32)
+    else:
+        scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
     scores = scores / math.sqrt(head_dim) if scale is None else scores * scale
     scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
     weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum(f"bkgts,{kv_spec}->btkgd", weights, v)
+    if heads_first:
+        out = jnp.einsum("bkgts,bksd->bkgtd", weights, v).transpose(0, 3, 1, 2, 4)
+    else:
+        out = jnp.einsum("bkgts,bskd->btkgd", weights, v)
     return out.reshape(b, t, num_heads, head_dim)
 
 
@@ -157,12 +165,13 @@ class Attention(nnx.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         new_kv = None
         if kv is not None:
-            # The cache is [b, kv_heads, S, d] (KVCache): the chunk's [b, t, kv_heads, d] is
-            # transposed once on its way in, instead of the whole cache before every dot.
+            # The cache holds K as [b, kv_heads, d, S] and V as [b, kv_heads, S, d] (KVCache):
+            # the chunk is transposed once on its way in, not the whole cache before every dot.
             cache_k, cache_v = kv
-            start = (0, 0, write_index, 0)
-            k = jax.lax.dynamic_update_slice(cache_k, k.swapaxes(1, 2).astype(cache_k.dtype), start)
-            v = jax.lax.dynamic_update_slice(cache_v, v.swapaxes(1, 2).astype(cache_v.dtype), start)
+            k = jax.lax.dynamic_update_slice(cache_k, k.transpose(0, 2, 3, 1).astype(cache_k.dtype),
+                                             (0, 0, 0, write_index))
+            v = jax.lax.dynamic_update_slice(cache_v, v.swapaxes(1, 2).astype(cache_v.dtype),
+                                             (0, 0, write_index, 0))
             new_kv = (k, v)
         out = grouped_query_attention(q, k, v, mask, self.scale, heads_first=kv is not None)
         return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim), probes.get("o_proj")), new_kv
