@@ -139,6 +139,8 @@ def get_config() -> ml_collections.ConfigDict:
         update_ratio=6e-5,                # kl only: relative size of the proposed step
         factor_dtype=placeholder(str),    # "bfloat16": round the GRPO variant's U (exact factors sync)
         merge_rounding="stochastic",      # bf16 weights: "stochastic" (unbiased) | "nearest"
+        exact_merge=placeholder(bool),    # order-free U·A; None: only where a factors receiver
+                                          # replays the merge (rl/build.py: replays_merge)
     ))
     # optax.adamw(...) after clipping by the global norm (max_grad_norm 0: no clipping).
     c.optimizer.adamw = ml_collections.ConfigDict(dict(

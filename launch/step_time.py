@@ -27,10 +27,14 @@ A 7B-proportioned stand-in at width 512 scales what sets the ratio with the widt
 weights, the default 8192-entry vocabulary at width 512 with 2 layers 67 %: ``--vocab 1024``),
 with the 7B config's 32 micro-steps: ``--widths 512 --rank 32 --vocab 1024 --micro_steps 32``.
 
+LoGRA's merge is one plain fp32 dot here, as in any run whose merges no rollout engine replays
+(rl/build.py: replays_merge). ``--exact_merge`` also times LoGRA with the order-free merge that a
+factors receiver needs (optim/order_free.py: two exact dots per layer), in the same interleaved
+rounds, as two more columns.
+
 The merge alone (``--merge``): per width, ``LowRankUpdate.merge_into`` of a stack of ``layers``
 (d × 3d) MLP kernels — the order-free product of optim/order_free.py — against the same merge with
-one plain fp32 dot (what the merge was before it had to give the same bits on every mesh),
-interleaved medians of ``repeats`` runs each.
+one plain fp32 dot (``exact=False``), interleaved medians of ``repeats`` runs each.
 
 Where the time goes (``--profile``): per width, one update of each optimizer (after two warm-up
 calls) runs under ``jax.profiler`` and logra_jax/profiling.py splits its wall time into
@@ -54,6 +58,7 @@ from launch import cpu_model, simulate_host_devices  # noqa: E402
 
 simulate_host_devices(1)
 
+import dataclasses  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
@@ -74,6 +79,8 @@ _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed updates per optimizer (afte
                                 "0: only XLA's operation counts (compile, no run).")
 _RANK = flags.DEFINE_integer("rank", 256, "LoGRA rank r.")
 _MERGE = flags.DEFINE_bool("merge", False, "Time the low-rank merge alone: order-free vs a plain dot.")
+_EXACT = flags.DEFINE_bool("exact_merge", False, "Also time LoGRA with the order-free merge a "
+                           "factors receiver needs (optimizer.logra.exact_merge=True).")
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype.")
 _MICRO = flags.DEFINE_integer("micro_steps", 1, "Micro-batches of --rows per update.")
 _VOCAB = flags.DEFINE_integer("vocab", 8192, "Vocabulary size (the head's width).")
@@ -159,18 +166,24 @@ def width_configs(widths, layers, rows, prompt_length, completion_length, rank, 
     return mesh, setups
 
 
+EXACT = "logra exact merge"   # LoGRA with the order-free merge (--exact_merge)
+
+
 def time_widths(widths, layers, rows, prompt_length, completion_length, rank, dtype, repeats,
-                micro_steps=1, vocab=8192):
-    """[(width, params, {optimizer: median ms}, {optimizer: XLA flops})] — see the module docstring."""
+                micro_steps=1, vocab=8192, exact_merge=False):
+    """[(width, params, {run: median ms}, {run: XLA flops})] — see the module docstring. Runs are
+    "logra" and "adamw", and ``EXACT`` with ``exact_merge``."""
     import jax
 
     mesh, setups = width_configs(widths, layers, rows, prompt_length, completion_length, rank,
                                  dtype, micro_steps, vocab)
+    names = ("logra", "adamw") + ((EXACT,) if exact_merge else ())
     results = []
     for width, config, model_config in setups:
-        runs, times, flops = {}, {"logra": [], "adamw": []}, {}
+        runs, times, flops = {}, {name: [] for name in names}, {}
         for name in times:
-            config.optimizer.name = name
+            config.optimizer.name = "adamw" if name == "adamw" else "logra"
+            config.optimizer.logra.exact_merge = True if name == EXACT else None
             update, params, opt_state, batch = build(config, model_config, mesh)
             # XLA's own operation count of the same program: a noise-free companion to the clock.
             cost = update.jitted(params, opt_state).lower(params, opt_state, batch).compile().cost_analysis()
@@ -181,7 +194,7 @@ def time_widths(widths, layers, rows, prompt_length, completion_length, rank, dt
             runs[name] = [update, params, opt_state, batch]
         n_params = sum(x.size for x in jax.tree.leaves(runs["logra"][1]))
         for i in range(repeats):
-            for name in (("logra", "adamw") if i % 2 == 0 else ("adamw", "logra")):
+            for name in (names if i % 2 == 0 else names[::-1]):
                 update, params, opt_state, batch = runs[name]
                 tic = time.perf_counter()
                 params, opt_state, metrics = update(params, opt_state, batch)
@@ -240,16 +253,11 @@ def time_merge(widths, layers, rank, repeats):
     import jax
     import jax.numpy as jnp
     from logra_jax.optim.low_rank import LowRankUpdate
-    from logra_jax.projections import projection, projection_keys
-
-    def plain_dot_merge(kernel, update):
-        def one(k, u, key):
-            a = projection(key, rank, k.shape[0])
-            return (update.weight_scale * k + jnp.matmul(a.T, u.T, precision="highest")).astype(k.dtype)
-        return jax.lax.map(lambda xs: one(*xs), (kernel, update.factor, update.key))
+    from logra_jax.projections import projection_keys
 
     merges = {"order-free": jax.jit(lambda k, u: u.merge_into(k), donate_argnums=0),
-              "plain dot": jax.jit(plain_dot_merge, donate_argnums=0)}
+              "plain dot": jax.jit(lambda k, u: dataclasses.replace(u, exact=False).merge_into(k),
+                                   donate_argnums=0)}
     results = []
     for width in widths:
         shape = (layers, width, 3 * width)
@@ -345,19 +353,22 @@ def main(argv):
                                       _VOCAB.value))
         return
     results = time_widths(widths, _LAYERS.value, _ROWS.value, _PROMPT.value, _COMPLETION.value,
-                          _RANK.value, _DTYPE.value, _REPEATS.value, _MICRO.value, _VOCAB.value)
+                          _RANK.value, _DTYPE.value, _REPEATS.value, _MICRO.value, _VOCAB.value,
+                          _EXACT.value)
     import jax
     print(cpu_model())
     print(f"one update, {_MICRO.value} micro-step(s) of {_ROWS.value} × "
           f"{_PROMPT.value + _COMPLETION.value} tokens, {_LAYERS.value} layers, vocabulary "
           f"{_VOCAB.value}, rank {_RANK.value}, {_DTYPE.value}, remat, {jax.default_backend()} × {jax.device_count()}; "
           + (f"median of {_REPEATS.value} interleaved runs" if _REPEATS.value else "XLA operation counts only"))
+    exact = f" {'exact ms':>9} {'exact ratio':>12}" if _EXACT.value else ""
     print(f"{'width':>6} {'params':>8} {'logra ms':>9} {'adamw ms':>9} {'time ratio':>11} "
-          f"{'logra GFLOP':>12} {'adamw GFLOP':>12} {'FLOP ratio':>11}")
+          f"{'logra GFLOP':>12} {'adamw GFLOP':>12} {'FLOP ratio':>11}" + exact)
     for width, n_params, ms, flops in results:
+        exact = (f" {ms[EXACT]:>9.1f} {ms[EXACT] / ms['adamw']:>12.3f}" if EXACT in ms else "")
         print(f"{width:>6} {n_params / 1e6:>7.1f}M {ms['logra']:>9.1f} {ms['adamw']:>9.1f} "
               f"{ms['logra'] / ms['adamw']:>11.3f} {flops['logra'] / 1e9:>12.1f} "
-              f"{flops['adamw'] / 1e9:>12.1f} {flops['logra'] / flops['adamw']:>11.3f}")
+              f"{flops['adamw'] / 1e9:>12.1f} {flops['logra'] / flops['adamw']:>11.3f}" + exact)
     width, _, ms, flops = results[-1]
     print(f"at width {width}: logra/adamw time ratio {ms['logra'] / ms['adamw']:.3f}, "
           f"FLOP ratio {flops['logra'] / flops['adamw']:.3f}")

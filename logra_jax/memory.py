@@ -199,7 +199,7 @@ def update_step_memory(config: ml_collections.ConfigDict, mesh: Mesh, *, micro_s
     model = abstract_model(model_config)
     policy = Policy(model, lora_scale=build.lora_scale(config.optimizer))
     params = build.with_adapters(config.optimizer, abstract_params(model, mesh))
-    optimizer = build.build_optimizer(config.optimizer)
+    optimizer = build.build_optimizer(config.optimizer, replayed_merge=build.replays_merge(config))
     update = build.build_policy_update(config, policy, optimizer=optimizer)
     sketch, train_others = optimizer.sketch, optimizer.train_others
     opt_state = abstract_opt_state(update.tx, params[optimizer.subtree] if optimizer.subtree else params)

@@ -120,7 +120,8 @@ def logra(*, variant: str = "grpo",
           kl_safeguard: float = 1.0, kl_correction: float = 0.3,
           update_ratio: float = 6e-5,
           factor_dtype: str | None = None,
-          merge_rounding: str = "stochastic") -> optax.GradientTransformationExtraArgs:
+          merge_rounding: str = "stochastic",
+          exact_merge: bool = True) -> optax.GradientTransformationExtraArgs:
     """LoGRA: sketched RowAdam for the projection matrices, AdamW or freezing for the rest.
 
     Args:
@@ -151,6 +152,10 @@ def logra(*, variant: str = "grpo",
         kernels are exact): "stochastic" — unbiased, E[SR(x)] = x, with bits from a key derived
         from A's, so a resumed run or a factors receiver gets the same bf16 weights — or
         "nearest", which loses every change below half a bf16 ulp (most of an RL step).
+      exact_merge: merge U·A order-free (the same bits on every mesh and CPU kind: what a rollout
+        engine replaying the factors needs, §8; two exact dots per layer for a Rademacher A) or,
+        False, with one plain fp32 dot (last bits depend on the backend's summation order; fine
+        where the merged weights are the only copy — `rl.build.replays_merge`).
 
     Update kwargs: ``predict_kl``, ``mismatch`` and ``candidate_kl`` (kl_control), ``num_tokens`` (variant "kl": the
     number of valid generated tokens the sketches sum over; default 1 = already a token mean).
@@ -165,6 +170,8 @@ def logra(*, variant: str = "grpo",
                          f"{factor_dtype!r}")
     for name, value in (("rank", rank), ("seed", seed)):
         _check_static_int(name, value)
+    if not isinstance(exact_merge, bool):
+        raise ValueError(f"exact_merge must be True or False, got {exact_merge!r}")
     others, kl_control = variant_defaults(variant, others, kl_control)
     if others not in ("adamw", "frozen"):
         raise ValueError(f"others must be 'adamw' or 'frozen', got {others!r}")
@@ -187,11 +194,12 @@ def logra(*, variant: str = "grpo",
                                 scale_by_step_size(learning_rate))
         wrap = to_low_rank_updates(spec, learning_rate=learning_rate, weight_decay=weight_decay,
                                    factor_dtype=_FACTOR_DTYPES[factor_dtype],
-                                   merge_rounding=merge_rounding)
+                                   merge_rounding=merge_rounding, exact_merge=exact_merge)
     else:
         target_tx = optax.chain(scale_by_row_adam(spec, variant="kl", b2=b2, eps=eps),
                                 scale_by_update_ratio(spec, update_ratio))
-        wrap = to_low_rank_updates(spec, factor_dtype=jnp.bfloat16, merge_rounding=merge_rounding)
+        wrap = to_low_rank_updates(spec, factor_dtype=jnp.bfloat16, merge_rounding=merge_rounding,
+                                   exact_merge=exact_merge)
     if others == "adamw":
         other_tx = optax.adamw(warmup_constant(others_learning_rate, others_warmup_steps),
                                weight_decay=others_weight_decay)

@@ -1,8 +1,10 @@
 """Sketch-space arithmetic that needs A: sketching a dense gradient, reconstructed norms, and
 merging a low-rank update into the weights (docs/algorithm.md §3, §5, §8).
 
-The merge's product U·A is order-free (order_free.py): the same bits wherever it runs, which is what
-makes a factors sync exact. Sketches and norms need no such guarantee and use plain fp32 dots.
+The merge's product U·A is order-free by default (order_free.py): the same bits wherever it runs,
+which is what makes a factors sync exact. Where no receiver replays the merge, one plain fp32 dot
+does (``LowRankUpdate.exact``): the order-free product costs a second dot. Sketches and norms need
+no such guarantee and use plain fp32 dots.
 
 All of it regenerates A_l(k) from its key, one layer of a stack at a time, so no (*stack, in, r)
 tensor of projections and no (*stack, in, out) ΔW is ever held at once.
@@ -80,6 +82,10 @@ class LowRankUpdate:
       rounding: static; how the fp32 merge result becomes a bf16 kernel: "nearest", or
         "stochastic" (unbiased, with random bits derived from A's key — rounding.py). fp32
         kernels are not rounded.
+      exact: static; True — U·A is order-free (order_free.py: the same bits on every mesh,
+        backend and CPU kind, two exact dots for a Rademacher A), which a receiver that replays
+        the merge (a factors sync) needs; False — one plain fp32 dot, whose last bits depend on
+        how the backend sums over r (fine where the merged weights are the only copy).
 
     ``params + update`` (what ``optax.apply_updates`` does) materialises this leaf's ΔW; use
     ``apply_updates`` of this module to merge one layer at a time instead. Transforms placed after
@@ -91,6 +97,7 @@ class LowRankUpdate:
     weight_scale: jax.Array
     distribution: str = dataclasses.field(default="rademacher", metadata=dict(static=True))
     rounding: str = dataclasses.field(default="nearest", metadata=dict(static=True))
+    exact: bool = dataclasses.field(default=True, metadata=dict(static=True))
 
     __array_ufunc__ = None  # make numpy defer `ndarray + LowRankUpdate` to __radd__
     tree_path_leaf = True   # one leaf for tree_paths.leaves_with_paths, not its factor and key
@@ -102,7 +109,7 @@ class LowRankUpdate:
     def delta_kernel(self, in_dim: int) -> jax.Array:
         """ΔK = Aᵀ·Uᵀ (*stack, in, out) in fp32 — the whole leaf at once (the drop-in path only)."""
         def one(u, key):
-            return _delta_one(u, key, in_dim, self.distribution)
+            return _delta_one(u, key, in_dim, self.distribution, self.exact)
         return map_layers(one, self.stack_shape, self.factor, self.key)
 
     def merge_into(self, kernel: jax.Array) -> jax.Array:
@@ -119,7 +126,7 @@ class LowRankUpdate:
         _check_kernel(kernel, self)
         if not self.stack_shape:
             merged = _merge_one(kernel, self.factor, self.key, self.weight_scale,
-                                self.distribution, self.rounding)
+                                self.distribution, self.rounding, self.exact)
             return merged, _changed_fraction(merged, kernel)
         n = math.prod(self.stack_shape)
         kernels = kernel.reshape((n,) + kernel.shape[-2:])
@@ -132,7 +139,7 @@ class LowRankUpdate:
             kernels, changed = carry
             old = jax.lax.dynamic_index_in_dim(kernels, i, keepdims=False)
             new = _merge_one(old, factors[i], keys[i], self.weight_scale, self.distribution,
-                             self.rounding)
+                             self.rounding, self.exact)
             return (jax.lax.dynamic_update_index_in_dim(kernels, new, i, 0),
                     changed + _changed_fraction(new, old) / n)
         kernels, changed = jax.lax.fori_loop(0, n, body, (kernels, jnp.zeros((), jnp.float32)))
@@ -155,17 +162,21 @@ def _check_kernel(kernel, update: LowRankUpdate):
                          f"(*stack, out) = {expected})")
 
 
-def _delta_one(u, key, in_dim, distribution):
+def _delta_one(u, key, in_dim, distribution, exact=True):
     """ΔK = Aᵀ·Uᵀ (in, out) in fp32, as unitᵀ·(s·U)ᵀ with A = s·unit.
 
-    The product is `order_free_matmul`: its bits do not depend on how a backend sums over r, so a
-    receiver on another mesh, CPU kind or kernel library merges exactly what the trainer merged.
-    U is taken exactly as it is (as sent: `rounded` keeps a compiler from folding a preceding cast
-    to bf16 into the fp32 product, as GPU backends may with excess precision), and s·U is rounded
-    once, before the product (no fused multiply-add can skip that rounding).
+    ``exact``: the product is `order_free_matmul`: its bits do not depend on how a backend sums
+    over r, so a receiver on another mesh, CPU kind or kernel library merges exactly what the
+    trainer merged. U is taken exactly as it is (as sent: `rounded` keeps a compiler from folding
+    a preceding cast to bf16 into the fp32 product, as GPU backends may with excess precision), and
+    s·U is rounded once, before the product (no fused multiply-add can skip that rounding).
+    Otherwise one fp32 dot: as accurate as a plain product, at half the order-free one's cost for
+    a Rademacher A (one dot instead of two; measured in launch/step_time.py --merge).
     """
     unit, scale = projection_parts(key, u.shape[-1], in_dim, distribution)    # (r, in)
     scaled = rounded(rounded(u).astype(jnp.float32) * scale)
+    if not exact:
+        return jnp.matmul(unit.T, scaled.T, precision=_HIGHEST)
     return order_free_matmul(unit.T, scaled.T, x_is_sign=distribution in SIGN_DISTRIBUTIONS)
 
 
@@ -173,11 +184,11 @@ def _delta_one(u, key, in_dim, distribution):
 _ROUNDING_SALT = 0x5352
 
 
-def _merge_one(kernel, u, key, weight_scale, distribution, rounding="nearest"):
+def _merge_one(kernel, u, key, weight_scale, distribution, rounding="nearest", exact=True):
     """ws·K + ΔK in K's dtype; ws·K is rounded before the add, as on every side of a sync. To a
     bf16 K the fp32 sum is rounded by ``rounding``, stochastically with a key derived from A's."""
     with jax.named_scope("logra_merge"):  # named for profiles (logra_jax/profiling.py)
-        delta = _delta_one(u, key, kernel.shape[0], distribution)
+        delta = _delta_one(u, key, kernel.shape[0], distribution, exact)
         merged = rounded(weight_scale * kernel.astype(jnp.float32)) + delta
         return round_to(merged, kernel.dtype, rounding,
                         jax.random.fold_in(key, _ROUNDING_SALT) if rounding == "stochastic" else None)

@@ -182,13 +182,16 @@ def to_low_rank_updates(spec: SketchSpec = SketchSpec(), *,
                         learning_rate: optax.ScalarOrSchedule | None = None,
                         weight_decay: float = 0.0,
                         factor_dtype=None,
-                        merge_rounding: str = "nearest") -> optax.GradientTransformationExtraArgs:
+                        merge_rounding: str = "nearest",
+                        exact_merge: bool = True) -> optax.GradientTransformationExtraArgs:
     """Wraps each target's factor U (*stack, out, r) as ``LowRankUpdate(U, key of A_l(k), ws)``.
 
     ``weight_scale`` ws = 1 − lr(t)·weight_decay (decoupled decay, GRPO variant) or 1.
     ``factor_dtype`` rounds U (the KL variant uses bfloat16, so a receiver applying the same bf16
     factor with the same A reproduces the trainer's merge exactly, §8). ``merge_rounding``: how a
     bf16 kernel receives the fp32 merge result ("nearest" | "stochastic", ``LowRankUpdate``).
+    ``exact_merge``: an order-free U·A (``LowRankUpdate.exact``), which a receiver replaying the
+    merge needs; False: one plain fp32 dot, half the merge's multiplications.
     Must be the last LoGRA transform: later transforms would see ``LowRankUpdate`` leaves.
     """
     if merge_rounding not in ROUNDINGS:
@@ -216,7 +219,8 @@ def to_low_rank_updates(spec: SketchSpec = SketchSpec(), *,
                                  f"put it after scale_by_row_adam in the chain")
             factor = u if factor_dtype is None else u.astype(factor_dtype)
             return LowRankUpdate(factor=factor, key=spec.keys(info, k), weight_scale=weight_scale,
-                                 distribution=spec.distribution, rounding=merge_rounding)
+                                 distribution=spec.distribution, rounding=merge_rounding,
+                                 exact=exact_merge)
 
         return (map_with_paths(wrap, updates),
                 LowRankState(count=optax.safe_increment(state.count), update_index=spec.next_index(k)))

@@ -9,6 +9,7 @@ the same config always gives the same mesh, model, optimizer, loss and update, w
     build_prompt_source(config.data)         the examples
     build_data(config.data, seed, ...)       the prompt iterator (prompts checked against the window)
     build_optimizer(config.optimizer)        Optimizer: the optax chain and what the loop needs of it
+    replays_merge(config)                    whether a rollout engine replays LoGRA's merge
     build_loss(config.rl)                    the RL objective (LossConfig)
     build_policy_update(config, policy)      the jitted update (PolicyUpdate)
     build_sampler(config.rl, policy, tok)    the rollout sampler
@@ -40,6 +41,7 @@ from logra_jax.rl.losses import ADVANTAGE_BASELINES, Advantages
 from logra_jax.rl.policy import Policy
 from logra_jax.rl.rollout import Grader, RolloutSpec, fit_prompt_window
 from logra_jax.rl.sampler import Sampler
+from logra_jax.rl.sync import placed_mode
 from logra_jax.rl.update import LossConfig, PolicyUpdate
 
 SYNC_MODES = ("off", "full", "factors", "sparse")
@@ -89,6 +91,9 @@ def validate(config: ml_collections.ConfigDict) -> None:
     if config.sync.mode == "factors" and config.optimizer.name != "logra":
         raise ValueError("sync.mode='factors' sends LoGRA's low-rank factors; optimizer.name="
                          f"{config.optimizer.name!r} has none (use full or sparse)")
+    if replays_merge(config) and config.optimizer.logra.exact_merge is False:
+        raise ValueError("sync.mode='factors' on rollout devices replays the trainer's merges, "
+                         "which needs optimizer.logra.exact_merge=True (or None: automatic)")
     if config.optimizer.name == "lora" and not (config.optimizer.lora.rank > 0
                                                 and config.optimizer.lora.alpha > 0):
         raise ValueError(f"optimizer.lora.rank and alpha must be positive, got "
@@ -238,10 +243,19 @@ def with_adapter_shardings(params: dict, shardings: dict) -> dict:
     return dict(shardings, **{LORA_KEY: out})
 
 
-def build_optimizer(cfg: ml_collections.ConfigDict) -> Optimizer:
+def replays_merge(config: ml_collections.ConfigDict) -> bool:
+    """Whether a rollout engine re-applies LoGRA's merges from the factors (a factors sync to
+    devices of its own): only then must the trainer's U·A be order-free (the same bits there)."""
+    return placed_mode(config.sync.mode, not config.sync.rollout_devices) == "factors"
+
+
+def build_optimizer(cfg: ml_collections.ConfigDict, *, replayed_merge: bool = True) -> Optimizer:
     """The optimizer ``cfg.name`` names, from its section: ``cfg.logra`` holds the keyword arguments
     of `logra(...)`, ``cfg.adamw`` / ``cfg.adafactor`` / ``cfg.galore`` those of the dense
-    baselines in `optim.baselines` (each after global-norm clipping, non-finite steps skipped)."""
+    baselines in `optim.baselines` (each after global-norm clipping, non-finite steps skipped).
+
+    ``replayed_merge`` (``replays_merge(config)``) decides ``logra.exact_merge`` when the config
+    leaves it None: order-free where a receiver replays the merge, one plain dot elsewhere."""
     if cfg.name in DENSE_OPTIMIZERS:
         kwargs = dict(cfg[cfg.name])
         learning_rate = warmup_constant(kwargs.pop("learning_rate"), cfg.warmup_steps)
@@ -257,6 +271,8 @@ def build_optimizer(cfg: ml_collections.ConfigDict) -> Optimizer:
     if cfg.name != "logra":
         raise ValueError(f"optimizer.name must be one of {OPTIMIZERS}, got {cfg.name!r}")
     kwargs = dict(cfg.logra)
+    if kwargs["exact_merge"] is None:
+        kwargs["exact_merge"] = replayed_merge
     learning_rate = warmup_constant(kwargs.pop("learning_rate"), cfg.warmup_steps)
     tx = logra(learning_rate=learning_rate, **kwargs)
     others, kl_control = variant_defaults(kwargs["variant"], kwargs["others"], kwargs["kl_control"])
@@ -277,7 +293,8 @@ def build_policy_update(config: ml_collections.ConfigDict, policy: Policy, *,
 
     ``return_updates``: the step also returns the targets' LowRankUpdates (a factors sync needs them).
     """
-    optimizer = optimizer if optimizer is not None else build_optimizer(config.optimizer)
+    if optimizer is None:
+        optimizer = build_optimizer(config.optimizer, replayed_merge=replays_merge(config))
     return PolicyUpdate(policy, optimizer.tx, build_loss(config.rl),
                         micro_batch_size=config.rl.micro_batch_size,
                         probe_size=config.optimizer.probe_size, sketch=optimizer.sketch,

@@ -55,7 +55,8 @@ class Trainer:
                              f"{jax.process_count()} processes: a sampler on its own devices runs "
                              f"in one process only for now; colocate it (sync.rollout_devices=0)")
         self.config = config
-        self.optimizer = build.build_optimizer(config.optimizer)  # before the model: fails fast
+        self.optimizer = build.build_optimizer(  # before the model: fails fast
+            config.optimizer, replayed_merge=build.replays_merge(config))
         self.tx, self.sketch = self.optimizer.tx, self.optimizer.sketch
         train_devices, rollout_devices = sync.split_devices(config.sync.rollout_devices)
         self.mesh = build.build_mesh(config.mesh, train_devices)

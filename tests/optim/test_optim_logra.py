@@ -87,7 +87,7 @@ def grpo_run(tiny):
     (dict(variant="kl", weight_decay=0.1), "weight_decay"), (dict(targets="(unclosed"), "targets"),
     (dict(variant="kl", update_ratio=0.0), "update_ratio"), (dict(kl_control=True, alpha_max=0.0), "alpha_max"),
     (dict(learning_rate=float("nan")), "learning_rate"), (dict(learning_rate=float("inf")), "learning_rate"),
-    (dict(others_learning_rate=-1e-3), "others_learning_rate"),
+    (dict(others_learning_rate=-1e-3), "others_learning_rate"), (dict(exact_merge="yes"), "exact_merge"),
     # schedules are checked at their first update
     (dict(learning_rate=lambda count: jnp.nan * count), "learning_rate must be finite and ≥ 0; the schedule"),
     (dict(learning_rate=warmup_constant(float("nan"), 10)), "learning_rate"),
@@ -108,6 +108,29 @@ def test_targets_must_match_matrices():
     with pytest.raises(ValueError, match="o_proj/kernel.*lower rank"):
         logra(rank=8).init(square)            # r_l = min(8, 6) = 6: sketch (6, 6) == kernel (6, 6)
     logra(rank=5).init(square)
+
+
+@pytest.mark.parametrize("mode, rollout_devices, replayed", [
+    ("off", 0, False), ("factors", 0, False), ("full", 4, False), ("factors", 4, True)])
+def test_the_builder_merges_order_free_only_where_a_receiver_replays_the_merge(
+        tiny, mode, rollout_devices, replayed):
+    """A factors sync to devices of its own re-applies U·A there, so the trainer's product must be
+    order-free; colocated (the sampler reads the trainer's weights) or with weights sent, one plain
+    dot is enough. ``exact_merge`` set in the config wins either way."""
+    from configs import base
+    from logra_jax.rl import build as build_lib
+    config = base.get_config()
+    config.optimizer.logra.update(rank=RANK, seed=5)
+    config.sync.update(mode=mode, rollout_devices=rollout_devices)
+    assert build_lib.replays_merge(config) is replayed
+    params = tiny["params"]
+    grads = tiny["grad_fn"](params, tiny["tokens"][0], 0)
+    for setting, exact in ((None, replayed), (True, True), (False, False)):
+        config.optimizer.logra.exact_merge = setting
+        tx = build_lib.build_optimizer(config.optimizer, replayed_merge=replayed).tx
+        updates, _ = tx.update(grads, tx.init(params), params)
+        flags = {p: x.exact for p, x in leaves_with_paths(updates) if isinstance(x, LowRankUpdate)}
+        assert set(flags) == TARGET_PATHS and set(flags.values()) == {exact}, (setting, flags)
 
 
 # ---------------------------------------------------------------- composition

@@ -9,6 +9,7 @@ asserted).
 import dataclasses
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -118,3 +119,35 @@ def test_a_rank_without_exact_slices_is_refused():
         order_free_matmul(x, jnp.ones((2 ** 16, 3)), x_is_sign=False)
     with pytest.raises(ValueError, match=r"needs x \(m, r\) and y \(r, n\)"):
         order_free_matmul(jnp.ones((4, 3)), jnp.ones((2, 3)), x_is_sign=True)
+
+
+def _primitive_counts(jaxpr, counts=None):
+    """{primitive name: occurrences} over a jaxpr and every jaxpr nested in it (loop bodies)."""
+    counts = {} if counts is None else counts
+    for eqn in jaxpr.eqns:
+        counts[eqn.primitive.name] = counts.get(eqn.primitive.name, 0) + 1
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            _primitive_counts(sub, counts)
+    return counts
+
+
+def test_a_merge_no_one_replays_is_one_plain_dot_of_the_same_product():
+    """``exact=False`` (the trainer's merge when no rollout engine replays it, rl/build.py:
+    replays_merge) multiplies U·A with one fp32 dot and no loop over slice pairs; its value is the
+    same product to fp32 accuracy."""
+    kernel = jax.random.normal(jax.random.PRNGKey(0), (3, 48, 80))
+    exact = LowRankUpdate(factor=jax.random.normal(jax.random.PRNGKey(1), (3, 80, 16)) * 1e-3,
+                          key=projection_keys(5, "layers/mlp/kernel", 2, (3,)),
+                          weight_scale=jnp.float32(0.999))
+    plain = dataclasses.replace(exact, exact=False)
+    counts = {name: _primitive_counts(jax.make_jaxpr(lambda k, u: u.merge_into(k))(kernel, u).jaxpr)
+              for name, u in (("exact", exact), ("plain", plain))}
+    # The layer loop, then (exact only) the loop over slice pairs with its dot inside.
+    assert counts["plain"]["scan"] == 1 and counts["plain"]["dot_general"] == 1, counts["plain"]
+    assert counts["exact"]["scan"] == 2 and counts["exact"]["dot_general"] == 1, counts["exact"]
+    a = np.stack([np.asarray(projection(k, 16, 48), np.float64) for k in exact.key])
+    expected = 0.999 * np.asarray(kernel, np.float64) + np.einsum(
+        "lri,lor->lio", a, np.asarray(exact.factor, np.float64))
+    for update in (exact, plain):
+        merged = np.asarray(jax.jit(lambda k, u: u.merge_into(k))(kernel, update))
+        np.testing.assert_allclose(merged, expected, rtol=1e-6, atol=1e-7)
