@@ -1,6 +1,7 @@
 """Command-line entry points (``python -m launch.<name>``)."""
 
 import os
+import statistics
 
 
 def simulate_host_devices(count: int) -> None:
@@ -28,3 +29,17 @@ def cpu_model() -> str:
         pass
     import platform
     return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def paired_ratio(times: dict, run: str, baseline: str) -> tuple[float, float, float]:
+    """(median, min, max) over rounds i of ``times[run][i] / times[baseline][i]``.
+
+    Benchmarks here alternate the runs they compare, round by round, so the two timings of a round
+    ran back to back, and a slow spell of a shared machine scales both. The ratio of two medians
+    taken over all rounds mixes spells (AdamW's median on the 2-core VM of 2026-12-02 moved 12.5–16.6
+    s between hours); the median of per-round ratios is the paired estimate.
+    """
+    ratios = [a / b for a, b in zip(times[run], times[baseline], strict=True)]
+    if not ratios:
+        return (float("nan"),) * 3
+    return statistics.median(ratios), min(ratios), max(ratios)

@@ -10,8 +10,9 @@ builds, per width d, a decoder with d-wide layers (head_dim 64, GQA 2:1, MLP 3d,
 it up, GRPO loss, same batch and sequence for both optimizers) on a random batch, and times it:
 one warm-up (compile) call each, then ``repeats`` rounds in which the two optimizers alternate
 (their order flips every round, so background load hits both alike). It prints the median
-milliseconds of each, the ratio LoGRA / AdamW, and XLA's operation count of each compiled update
-(``cost_analysis()["flops"]``), which shared or busy machines cannot disturb.
+milliseconds of each, their ratio LoGRA / AdamW, the median (and range) of the per-round ratios —
+the paired estimate, which a slow spell of a shared machine moves least — and XLA's operation count
+of each compiled update (``cost_analysis()["flops"]``), which shared or busy machines cannot disturb.
 
 The default update holds 8 × 256 = 2048 tokens: what one device trains on per micro-step in
 configs/qwen2_5_7b_gsm8k.py. LoGRA's fixed cost per update (merging ΔW = −η·D·A: 2·r·in·out
@@ -54,7 +55,7 @@ import sys
 
 # The timing compares the two optimizers on one device (the simulated 8-device CPU of the tests
 # would only split the same cores 8 ways).
-from launch import cpu_model, simulate_host_devices  # noqa: E402
+from launch import cpu_model, paired_ratio, simulate_host_devices  # noqa: E402
 
 simulate_host_devices(1)
 
@@ -171,8 +172,8 @@ EXACT = "logra exact merge"   # LoGRA with the order-free merge (--exact_merge)
 
 def time_widths(widths, layers, rows, prompt_length, completion_length, rank, dtype, repeats,
                 micro_steps=1, vocab=8192, exact_merge=False):
-    """[(width, params, {run: median ms}, {run: XLA flops})] — see the module docstring. Runs are
-    "logra" and "adamw", and ``EXACT`` with ``exact_merge``."""
+    """[(width, params, {run: median ms}, {run: XLA flops}, {run: paired_ratio vs AdamW})] — see
+    the module docstring. Runs are "logra" and "adamw", and ``EXACT`` with ``exact_merge``."""
     import jax
 
     mesh, setups = width_configs(widths, layers, rows, prompt_length, completion_length, rank,
@@ -202,7 +203,8 @@ def time_widths(widths, layers, rows, prompt_length, completion_length, rank, dt
                 times[name].append(1e3 * (time.perf_counter() - tic))
                 runs[name][1:3] = params, opt_state
         results.append((width, n_params, {k: statistics.median(v) if v else float("nan")
-                                          for k, v in times.items()}, flops))
+                                          for k, v in times.items()}, flops,
+                        {k: paired_ratio(times, k, "adamw") for k in names if k != "adamw"}))
         del runs
     return results
 
@@ -361,17 +363,21 @@ def main(argv):
           f"{_PROMPT.value + _COMPLETION.value} tokens, {_LAYERS.value} layers, vocabulary "
           f"{_VOCAB.value}, rank {_RANK.value}, {_DTYPE.value}, remat, {jax.default_backend()} × {jax.device_count()}; "
           + (f"median of {_REPEATS.value} interleaved runs" if _REPEATS.value else "XLA operation counts only"))
-    exact = f" {'exact ms':>9} {'exact ratio':>12}" if _EXACT.value else ""
+    # time ratio: of the two medians; paired: the median of per-round ratios, with their range.
+    exact = f" {'exact ms':>9} {'exact paired':>13}" if _EXACT.value else ""
     print(f"{'width':>6} {'params':>8} {'logra ms':>9} {'adamw ms':>9} {'time ratio':>11} "
-          f"{'logra GFLOP':>12} {'adamw GFLOP':>12} {'FLOP ratio':>11}" + exact)
-    for width, n_params, ms, flops in results:
-        exact = (f" {ms[EXACT]:>9.1f} {ms[EXACT] / ms['adamw']:>12.3f}" if EXACT in ms else "")
+          f"{'paired':>7} {'range':>11} {'logra GFLOP':>12} {'adamw GFLOP':>12} "
+          f"{'FLOP ratio':>11}" + exact)
+    for width, n_params, ms, flops, paired in results:
+        exact = (f" {ms[EXACT]:>9.1f} {paired[EXACT][0]:>13.3f}" if EXACT in ms else "")
+        median, low, high = paired["logra"]
         print(f"{width:>6} {n_params / 1e6:>7.1f}M {ms['logra']:>9.1f} {ms['adamw']:>9.1f} "
-              f"{ms['logra'] / ms['adamw']:>11.3f} {flops['logra'] / 1e9:>12.1f} "
-              f"{flops['adamw'] / 1e9:>12.1f} {flops['logra'] / flops['adamw']:>11.3f}" + exact)
-    width, _, ms, flops = results[-1]
-    print(f"at width {width}: logra/adamw time ratio {ms['logra'] / ms['adamw']:.3f}, "
-          f"FLOP ratio {flops['logra'] / flops['adamw']:.3f}")
+              f"{ms['logra'] / ms['adamw']:>11.3f} {median:>7.3f} {f'{low:.3f}–{high:.3f}':>11} "
+              f"{flops['logra'] / 1e9:>12.1f} {flops['adamw'] / 1e9:>12.1f} "
+              f"{flops['logra'] / flops['adamw']:>11.3f}" + exact)
+    width, _, ms, flops, paired = results[-1]
+    print(f"at width {width}: logra/adamw time ratio {ms['logra'] / ms['adamw']:.3f} (paired "
+          f"{paired['logra'][0]:.3f}), FLOP ratio {flops['logra'] / flops['adamw']:.3f}")
 
 
 if __name__ == "__main__":

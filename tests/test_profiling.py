@@ -123,3 +123,28 @@ def test_step_time_profile_prints_both_optimizers_split():
     logra, adamw = (float(v) for v in lines["sketch products x·Aᵀ, Hᵀ(x·Aᵀ)"].split()[-3:-1])
     assert logra > 0 and adamw == 0          # only LoGRA sketches
     assert "ratio" in lines["total (traced)"]
+
+
+def test_paired_ratio_is_blind_to_a_slow_spell_that_the_ratio_of_medians_sees():
+    """Benchmarks alternate the runs they compare, so a slow spell of the machine scales both runs
+    of a round. The median of per-round ratios ignores it; the ratio of the two medians does not."""
+    import statistics
+
+    import numpy as np
+    from launch import paired_ratio
+
+    rng = np.random.default_rng(0)
+    base = rng.uniform(0.8, 0.95, size=7)                 # LoGRA / AdamW in each round
+    adamw = rng.uniform(12.0, 13.0, size=7)
+    spell = np.array([1.0, 1.0, 1.3, 1.3, 1.3, 1.0, 1.3])  # rounds run 30 % slower
+    steady = {"logra": list(base * adamw), "adamw": list(adamw)}
+    slow = {"logra": list(base * adamw * spell), "adamw": list(adamw * spell)}
+
+    median, low, high = paired_ratio(steady, "logra", "adamw")
+    assert (median, low, high) == pytest.approx((np.median(base), base.min(), base.max()))
+    assert paired_ratio(slow, "logra", "adamw") == pytest.approx((median, low, high))
+    moved = statistics.median(slow["logra"]) / statistics.median(slow["adamw"])
+    assert abs(moved - median) > 0.01, (moved, median)
+    with pytest.raises(ValueError):                      # unpaired rounds are a bug, not a ratio
+        paired_ratio({"logra": [1.0, 2.0], "adamw": [1.0]}, "logra", "adamw")
+    assert all(np.isnan(paired_ratio({"logra": [], "adamw": []}, "logra", "adamw")))
