@@ -205,6 +205,34 @@ def test_zero_factor_probes_match_the_general_probe_branch_and_cost_less(model, 
     assert flops(fast) < flops(general)
 
 
+
+@pytest.mark.parametrize("factor_is_zero", [True, False])
+def test_the_sketch_is_formed_r_by_out_and_transposed_after(factor_is_zero):
+    """XLA:CPU runs Hᵀ(x·Aᵀ) written out × r up to 3× slower than (x·Aᵀ)ᵀH written r × out
+    (models/linear.py: times_factor_t). The compiled backward of both probe branches must hold the
+    r × out product and no out × r one; the sketch still equals G·Aᵀ."""
+    import re
+
+    from logra_jax.models.linear import Linear
+
+    tokens, d_in, d_out, rank = 64, 48, 40, 8
+    layer = Linear(d_in, d_out, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.PRNGKey(1), (tokens, d_in))
+    h = jax.random.normal(jax.random.PRNGKey(2), (tokens, d_out))    # ∂L/∂y
+    keys = projection_keys(3, "w", 0, ())
+
+    def loss(factor):
+        probe = SketchProbe(keys, factor, factor_is_zero=factor_is_zero)
+        return jnp.sum(layer(x, probe) * h)
+
+    grad = jax.jit(jax.grad(loss))
+    factor = jnp.zeros((d_out, rank))
+    a = SketchProbe(keys, factor).projection(d_in)
+    np.testing.assert_allclose(grad(factor), h.T @ (x @ a.T), rtol=1e-5, atol=1e-5)
+    dots = re.findall(r"= f32\[(\d+),(\d+)\]\{1,0\} dot\(", grad.lower(factor).compile().as_text())
+    shapes = {(int(m), int(n)) for m, n in dots}
+    assert (rank, d_out) in shapes and (d_out, rank) not in shapes, shapes
+
 def test_probe_validation(model, tokens):
     L = CONFIG.num_layers
     keys = np.zeros((L, 2), np.uint32)
