@@ -29,8 +29,9 @@ train: $(VENV)/.installed
 	$(BIN)/python -m launch.train --config $(CONFIG) --workdir $(WORKDIR)
 
 # Two pytest-xdist workers (one per core of the 2-core machines CI uses), whole files each so a
-# module's compiled fixtures are built once; TESTFLAGS= runs the suite in one process.
-TESTFLAGS ?= -n 2 --dist loadfile --durations=15
+# module's compiled fixtures are built once, longest files first (tests/conftest.py:
+# LONGEST_FIRST; xdist's own order would put them last); TESTFLAGS= runs the suite in one process.
+TESTFLAGS ?= -n 2 --dist loadfile --no-loadscope-reorder --durations=15
 
 test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -q $(TESTFLAGS) tests

@@ -29,6 +29,21 @@ import pathlib  # noqa: E402
 
 import pytest  # noqa: E402
 
+# The files whose tests run longest (real processes, many compiled trainers), longest first.
+# `make test` hands whole files to two xdist workers in collection order
+# (--dist loadfile --no-loadscope-reorder); xdist's default order, most tests first, started the
+# two-test preemption file and the two-process file last, and one worker then ran them alone while
+# the other idled. Longest first leaves the many short files to even out the end.
+LONGEST_FIRST = ("test_trainer_sync.py", "test_multihost.py", "test_sync.py", "test_baselines.py",
+                 "test_preemption.py", "test_bad_input.py", "test_trainer.py", "test_sampler.py",
+                 "test_memory.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))   # stable: the rest keep order
+
+
 SHARED = pathlib.Path(__file__).resolve().parents[1].parent / "shared"
 GSM8K_DIR = SHARED / "data" / "gsm8k"
 
