@@ -209,8 +209,9 @@ def test_zero_factor_probes_match_the_general_probe_branch_and_cost_less(model, 
 @pytest.mark.parametrize("factor_is_zero", [True, False])
 def test_the_sketch_is_formed_r_by_out_and_transposed_after(factor_is_zero):
     """XLA:CPU runs Hᵀ(x·Aᵀ) written out × r up to 3× slower than (x·Aᵀ)ᵀH written r × out
-    (models/linear.py: times_factor_t). The compiled backward of both probe branches must hold the
-    r × out product and no out × r one; the sketch still equals G·Aᵀ."""
+    (models/linear.py: times_factor_t), and the latter faster again as a canonical product over
+    (x·Aᵀ)ᵀ stored r × T (sketch_tangent, the B = 0 branch). The compiled backward of both probe
+    branches must hold the r × out product and no out × r one; the sketch still equals G·Aᵀ."""
     import re
 
     from logra_jax.models.linear import Linear
@@ -229,9 +230,14 @@ def test_the_sketch_is_formed_r_by_out_and_transposed_after(factor_is_zero):
     factor = jnp.zeros((d_out, rank))
     a = SketchProbe(keys, factor).projection(d_in)
     np.testing.assert_allclose(grad(factor), h.T @ (x @ a.T), rtol=1e-5, atol=1e-5)
-    dots = re.findall(r"= f32\[(\d+),(\d+)\]\{1,0\} dot\(", grad.lower(factor).compile().as_text())
-    shapes = {(int(m), int(n)) for m, n in dots}
+    dots = re.findall(r"= f32\[(\d+),(\d+)\]\{1,0\} dot\(.*?lhs_contracting_dims=\{(\d)\}, "
+                      r"rhs_contracting_dims=\{(\d)\}", grad.lower(factor).compile().as_text())
+    shapes = {(int(m), int(n)): (int(lc), int(rc)) for m, n, lc, rc in dots}
     assert (rank, d_out) in shapes and (d_out, rank) not in shapes, shapes
+    if factor_is_zero:
+        # models/linear.py: sketch_tangent — (x·Aᵀ)ᵀ stored r × T, so the product is canonical
+        # (left operand contracted over its last dim), the form XLA:CPU gives to YNNPACK.
+        assert shapes[(rank, d_out)] == (1, 0), shapes
 
 def test_probe_validation(model, tokens):
     L = CONFIG.num_layers

@@ -7,6 +7,7 @@ asserted).
 """
 
 import dataclasses
+import re
 
 import jax
 import jax.extend
@@ -151,3 +152,8 @@ def test_a_merge_no_one_replays_is_one_plain_dot_of_the_same_product():
     for update in (exact, plain):
         merged = np.asarray(jax.jit(lambda k, u: u.merge_into(k))(kernel, update))
         np.testing.assert_allclose(merged, expected, rtol=1e-6, atol=1e-7)
+    # Its operands materialised as (in × r)·(r × out): the canonical product, which XLA:CPU runs
+    # through YNNPACK (low_rank._delta_one); unitᵀ·(s·U)ᵀ over untransposed arrays is an Eigen dot.
+    hlo = jax.jit(lambda k, u: u.merge_into(k)).lower(kernel, plain).compile().as_text()
+    dims = re.findall(r" dot\(.*?lhs_contracting_dims=\{(\d)\}, rhs_contracting_dims=\{(\d)\}", hlo)
+    assert dims == [("1", "0")], dims
