@@ -286,7 +286,14 @@ def test_export_round_trip(checkpoints, tokens, name, tmp_path):
     out = write_hf_folder(model.config, weights, tokenizer, tmp_path / "hf")
     again = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
     assert type(again) is type(torch_model)
-    np.testing.assert_allclose(torch_logits(again, tokens), torch_logits(torch_model, tokens), atol=1e-5, rtol=0)
+    # The round trip itself is exact: every tensor comes back with the original's bits.
+    original = torch_model.state_dict()
+    for name_, tensor in again.state_dict().items():
+        assert torch.equal(tensor, original[name_]), name_
+    # Logits of the same weights may still differ in the last bits: torch's CPU kernels pick their
+    # blocking from tensor strides and thread count (seen: 1.03e-5 at 2 of 1 408 logits of
+    # magnitude ~2 under two test workers), so these are compared to fp32 accumulation accuracy.
+    np.testing.assert_allclose(torch_logits(again, tokens), torch_logits(torch_model, tokens), atol=1e-4, rtol=0)
     back, _ = from_pretrained(out)
     assert back.config == model.config
     with pytest.raises(FileExistsError, match="not empty"):
