@@ -239,6 +239,44 @@ def test_the_sketch_is_formed_r_by_out_and_transposed_after(factor_is_zero):
         # (left operand contracted over its last dim), the form XLA:CPU gives to YNNPACK.
         assert shapes[(rank, d_out)] == (1, 0), shapes
 
+def _transposed_copies(hlo: str, elements: int) -> list[str]:
+    """The loop fusions of compiled ``hlo`` that write an array of ``elements`` entries through a
+    transpose: the copies XLA:CPU inserts when an operand's layout is not the one a product or
+    reduction wants."""
+    import re
+    bodies = {m.group(1): m.group(2) for m in re.finditer(r"\n%?([\w.-]+) [^\n]*\{\n(.*?)\n\}", hlo,
+                                                          re.S)}
+    found = []
+    for line in hlo.splitlines():
+        m = re.search(r"= \w+\[([\d,]+)\]\S* fusion\(.*kind=kLoop, calls=%?([\w.-]+)", line)
+        if m and np.prod([int(d) for d in m.group(1).split(",")]) == elements \
+                and " transpose(" in bodies.get(m.group(2), ""):
+            found.append(line.strip()[:160])
+    return found
+
+
+def test_attention_writes_no_transposed_copy_of_the_scores():
+    """Attention multiplies K as [b, kv_heads, d, S] and V as [b, kv_heads, S, d] (the cache's
+    layouts) with and without a cache. With K and V as the projections' [b, S, kv_heads, d],
+    XLA:CPU laid the scores out as [b, kv_heads, S, (t, group)] and wrote a transposed copy of
+    the b·H·t·S scores around the products: twice in the forward, four times more in the
+    recomputed forward and backward (README "Step time"). The forward must write none; the
+    backward at most one (the softmax gradient's, which XLA lays out on its own)."""
+    config = tiny(num_layers=1, remat=True)
+    model = Decoder(config, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 32), 0, config.vocab_size, dtype=jnp.int32)
+    scores = tokens.shape[0] * config.num_heads * tokens.shape[1] ** 2
+
+    def loss(state):
+        return jnp.sum(jax.nn.log_softmax(nnx.merge(graphdef, state)(tokens))[..., 0])
+
+    forward = jax.jit(loss).lower(state).compile().as_text()
+    backward = jax.jit(jax.grad(loss)).lower(state).compile().as_text()
+    assert not _transposed_copies(forward, scores), _transposed_copies(forward, scores)
+    assert len(_transposed_copies(backward, scores)) <= 1, _transposed_copies(backward, scores)
+
+
 def test_probe_validation(model, tokens):
     L = CONFIG.num_layers
     keys = np.zeros((L, 2), np.uint32)

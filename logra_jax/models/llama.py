@@ -109,31 +109,28 @@ class Embedding(nnx.Module):
 
 
 def grouped_query_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
-                            scale: float | None = None, *, heads_first: bool = False) -> jax.Array:
+                            scale: float | None = None) -> jax.Array:
     """softmax(q·kᵀ·scale + mask)·v where query head h reads key/value head h // (H / KV).
 
-    q: [b, t, H, d]; k, v: [b, S, KV, d], or with ``heads_first`` the KV cache's layouts, k
-    [b, KV, d, S] and v [b, KV, S, d], multiplied as canonical batched products (batch dims
-    first, then free, then contracted), which XLA:CPU runs without transposing the cache;
-    mask: bool [b, t, S] (True = may attend); scale defaults to 1/√d.
+    q: [b, t, H, d]; k: [b, KV, d, S] and v: [b, KV, S, d], the KV cache's layouts (KVCache),
+    in which both products are canonical batched products (batch dims first, then free, then
+    contracted) that XLA:CPU runs without transposing k, v or the scores; mask: bool [b, t, S]
+    (True = may attend); scale defaults to 1/√d. With k and v as [b, S, KV, d] (the
+    projections' own layout) XLA:CPU laid the scores out as [b, KV, S, (t, group)] and wrote a
+    transposed copy of them, and of q with the group dim innermost, around every product, in the
+    forward, the recomputed forward and the backward (README "Step time").
     Scores and softmax are fp32. A fully masked row (a padding query) gets uniform weights rather
     than NaN: its output is garbage but finite, and callers mask it out of every loss.
     """
     b, t, num_heads, head_dim = q.shape
-    num_kv = k.shape[1 if heads_first else 2]
+    num_kv = k.shape[1]
     q = q.reshape(b, t, num_kv, num_heads // num_kv, head_dim)
-    if heads_first:
-        scores = jnp.einsum("bkgtd,bkds->bkgts", q.transpose(0, 2, 3, 1, 4), k,
-                            preferred_element_type=jnp.float32)
-    else:
-        scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
+    scores = jnp.einsum("bkgtd,bkds->bkgts", q.transpose(0, 2, 3, 1, 4), k,
+                        preferred_element_type=jnp.float32)
     scores = scores / math.sqrt(head_dim) if scale is None else scores * scale
     scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
     weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    if heads_first:
-        out = jnp.einsum("bkgts,bksd->bkgtd", weights, v).transpose(0, 3, 1, 2, 4)
-    else:
-        out = jnp.einsum("bkgts,bskd->btkgd", weights, v)
+    out = jnp.einsum("bkgts,bksd->bkgtd", weights, v).transpose(0, 3, 1, 2, 4)
     return out.reshape(b, t, num_heads, head_dim)
 
 
@@ -163,17 +160,17 @@ class Attention(nnx.Module):
         if self.q_norm is not None:   # per head, over head_dim, before the rotation
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        # Attention multiplies K as [b, kv_heads, d, t] and V as [b, kv_heads, t, d], the layouts
+        # the cache keeps (KVCache): this chunk is transposed once, not the scores or the whole
+        # cache around every product.
+        k, v = k.transpose(0, 2, 3, 1), v.swapaxes(1, 2)
         new_kv = None
         if kv is not None:
-            # The cache holds K as [b, kv_heads, d, S] and V as [b, kv_heads, S, d] (KVCache):
-            # the chunk is transposed once on its way in, not the whole cache before every dot.
             cache_k, cache_v = kv
-            k = jax.lax.dynamic_update_slice(cache_k, k.transpose(0, 2, 3, 1).astype(cache_k.dtype),
-                                             (0, 0, 0, write_index))
-            v = jax.lax.dynamic_update_slice(cache_v, v.swapaxes(1, 2).astype(cache_v.dtype),
-                                             (0, 0, write_index, 0))
+            k = jax.lax.dynamic_update_slice(cache_k, k.astype(cache_k.dtype), (0, 0, 0, write_index))
+            v = jax.lax.dynamic_update_slice(cache_v, v.astype(cache_v.dtype), (0, 0, write_index, 0))
             new_kv = (k, v)
-        out = grouped_query_attention(q, k, v, mask, self.scale, heads_first=kv is not None)
+        out = grouped_query_attention(q, k, v, mask, self.scale)
         return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim), probes.get("o_proj")), new_kv
 
 
