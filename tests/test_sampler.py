@@ -77,6 +77,50 @@ def test_eos_stops_a_row_and_masks_the_rest(setup):
     assert np.all(np.asarray(out.tokens[0, 2:]) == PAD)
 
 
+def test_the_last_token_costs_no_forward_pass(setup):
+    """Sampling C tokens takes the prefill and C − 1 decode passes: the last draw's logits come
+    from the pass before it, and nothing reads a pass after it. Counted at run time (a host
+    callback in the model's call), on full-length rows and on a row that stops early."""
+    policy, params, sampler, prompts, tokens, mask = setup
+    calls = []
+
+    class CountingPolicy:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def bind(self, params):
+            model = self.inner.bind(params)
+            original = type(model).__call__
+
+            class Counted(type(model)):
+                def __call__(self, *args, **kwargs):
+                    jax.debug.callback(lambda: calls.append(1))
+                    return original(self, *args, **kwargs)
+
+            model.__class__ = Counted
+            return model
+
+        def probes(self, params, probes=None):
+            return self.inner.probes(params, probes)
+
+    counted = Sampler(CountingPolicy(policy), max_prompt_length=PROMPT_LEN,
+                      max_completion_length=STEPS, eos_ids=[95], pad_id=PAD)
+    out = counted.generate(params, tokens, mask, jax.random.PRNGKey(0), greedy=True)
+    jax.effects_barrier()
+    assert len(calls) == STEPS          # 1 prefill + (STEPS - 1) decode passes
+    reference = sampler.generate(params, tokens, mask, jax.random.PRNGKey(0), greedy=True)
+    np.testing.assert_array_equal(out.tokens, reference.tokens)
+
+    first = greedy_by_recompute(policy, params, prompts[0], 2)    # stops after its 2nd token
+    calls.clear()
+    stopping = Sampler(CountingPolicy(policy), max_prompt_length=PROMPT_LEN,
+                       max_completion_length=STEPS, eos_ids=[first[1]], pad_id=PAD)
+    out = stopping.generate(params, tokens[:1], mask[:1], jax.random.PRNGKey(0), greedy=True)
+    jax.effects_barrier()
+    assert len(calls) == 2              # the prefill and the pass after the first token
+    assert np.asarray(out.mask[0]).tolist() == [True, True] + [False] * (STEPS - 2)
+
+
 def test_right_padding_gives_the_same_completions(setup):
     _, params, sampler, prompts, tokens, mask = setup
     right = np.full_like(tokens, PAD)

@@ -207,12 +207,8 @@ class Sampler:
                 token = gumbel_max(key, filter_logits(scaled, top_k, top_p))
             return token, jnp.take_along_axis(logprobs_all, token[:, None], axis=-1)[:, 0]
 
-        def cond(carry):
-            step, _, _, done, _ = carry[:5]
-            return (step < steps) & ~jnp.all(done)
-
-        def body(carry):
-            step, cache, logits_t, done, position, key, tokens, logprobs, mask = carry
+        def choose(step, cache, logits_t, done, position, key, tokens, logprobs, mask):
+            """Draws token ``step`` of every row from ``logits_t`` and records it."""
             key, sub = jax.random.split(key)
             token, logprob = pick(logits_t, sub)
             valid = ~done
@@ -221,15 +217,26 @@ class Sampler:
             logprobs = logprobs.at[:, step].set(jnp.where(valid, logprob, 0.0))
             mask = mask.at[:, step].set(valid)
             done = done | jnp.isin(token, eos)
+            return step, cache, done, position, key, tokens, logprobs, mask, token, valid
+
+        def cond(carry):
+            step, _, done = carry[:3]
+            return (step + 1 < steps) & ~jnp.all(done)
+
+        def body(carry):
+            """The forward pass of the last drawn tokens, then the next draw from its logits."""
+            step, cache, done, position, key, tokens, logprobs, mask, token, valid = carry
             out, cache = model(token[:, None], positions=position[:, None],
                                segment_mask=valid[:, None], cache=cache, probes=probes,
                                layers=layers)
-            return (step + 1, cache, out[:, -1].astype(jnp.float32), done, position + 1, key,
-                    tokens, logprobs, mask)
+            return choose(step + 1, cache, out[:, -1].astype(jnp.float32), done, position + 1, key,
+                          tokens, logprobs, mask)
 
-        init = (jnp.int32(0), cache, last_logits, jnp.zeros((batch,), bool), next_position, rng,
-                jnp.full((batch, steps), self.pad_id, jnp.int32), jnp.zeros((batch, steps), jnp.float32),
-                jnp.zeros((batch, steps), bool))
-        _, _, _, done, _, _, tokens, logprobs, mask = jax.lax.while_loop(cond, body, init)
+        # A forward pass runs only for a draw that reads its logits: C tokens take the prefill and
+        # at most C − 1 decode passes, and none follows the draw that ends the last row.
+        first = choose(jnp.int32(0), cache, last_logits, jnp.zeros((batch,), bool), next_position,
+                       rng, jnp.full((batch, steps), self.pad_id, jnp.int32),
+                       jnp.zeros((batch, steps), jnp.float32), jnp.zeros((batch, steps), bool))
+        _, _, done, _, _, tokens, logprobs, mask, _, _ = jax.lax.while_loop(cond, body, first)
         return SampleOutput(prompt_tokens=prompt_tokens, prompt_mask=prompt_mask, tokens=tokens,
                             logprobs=logprobs, mask=mask, finished=done)
