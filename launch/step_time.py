@@ -11,8 +11,10 @@ it up, GRPO loss, same batch and sequence for both optimizers) on a random batch
 one warm-up (compile) call each, then ``repeats`` rounds in which the two optimizers alternate
 (their order flips every round, so background load hits both alike). It prints the median
 milliseconds of each, their ratio LoGRA / AdamW, the median (and range) of the per-round ratios —
-the paired estimate, which a slow spell of a shared machine moves least — and XLA's operation count
-of each compiled update (``cost_analysis()["flops"]``), which shared or busy machines cannot disturb.
+the paired estimate, which a slow spell of a shared machine moves least — and the matrix-product
+operations of each compiled update (logra_jax/matmul_count.py: every dot of the optimized HLO, times
+the trip counts of the loops it runs in), which shared or busy machines cannot disturb. XLA's own
+``cost_analysis()["flops"]`` counts a loop's body once: one micro-step of one layer, not the update.
 
 The default update holds 8 × 256 = 2048 tokens: what one device trains on per micro-step in
 configs/qwen2_5_7b_gsm8k.py. LoGRA's fixed cost per update (merging ΔW = −η·D·A: 2·r·in·out
@@ -77,7 +79,7 @@ _ROWS = flags.DEFINE_integer("rows", 8, "Sequences per update (one micro-batch).
 _PROMPT = flags.DEFINE_integer("prompt_length", 64, "Prompt tokens per sequence.")
 _COMPLETION = flags.DEFINE_integer("completion_length", 192, "Completion tokens per sequence.")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed updates per optimizer (after one warm-up); "
-                                "0: only XLA's operation counts (compile, no run).")
+                                "0: only the operation counts (compile, no run).")
 _RANK = flags.DEFINE_integer("rank", 256, "LoGRA rank r.")
 _MERGE = flags.DEFINE_bool("merge", False, "Time the low-rank merge alone: order-free vs a plain dot.")
 _EXACT = flags.DEFINE_bool("exact_merge", False, "Also time LoGRA with the order-free merge a "
@@ -172,9 +174,10 @@ EXACT = "logra exact merge"   # LoGRA with the order-free merge (--exact_merge)
 
 def time_widths(widths, layers, rows, prompt_length, completion_length, rank, dtype, repeats,
                 micro_steps=1, vocab=8192, exact_merge=False):
-    """[(width, params, {run: median ms}, {run: XLA flops}, {run: paired_ratio vs AdamW})] — see
+    """[(width, params, {run: median ms}, {run: matmul flops}, {run: paired_ratio vs AdamW})] — see
     the module docstring. Runs are "logra" and "adamw", and ``EXACT`` with ``exact_merge``."""
     import jax
+    from logra_jax import matmul_count
 
     mesh, setups = width_configs(widths, layers, rows, prompt_length, completion_length, rank,
                                  dtype, micro_steps, vocab)
@@ -186,9 +189,10 @@ def time_widths(widths, layers, rows, prompt_length, completion_length, rank, dt
             config.optimizer.name = "adamw" if name == "adamw" else "logra"
             config.optimizer.logra.exact_merge = True if name == EXACT else None
             update, params, opt_state, batch = build(config, model_config, mesh)
-            # XLA's own operation count of the same program: a noise-free companion to the clock.
-            cost = update.jitted(params, opt_state).lower(params, opt_state, batch).compile().cost_analysis()
-            flops[name] = (cost[0] if isinstance(cost, list) else cost).get("flops", float("nan"))
+            # The program's matmul operations, loops counted as they run: a noise-free companion
+            # to the clock.
+            compiled = update.jitted(params, opt_state).lower(params, opt_state, batch).compile()
+            flops[name] = matmul_count.of_compiled(compiled).flops
             if repeats:
                 params, opt_state, metrics = update(params, opt_state, batch)   # warm-up
                 jax.block_until_ready(metrics)
@@ -362,7 +366,7 @@ def main(argv):
     print(f"one update, {_MICRO.value} micro-step(s) of {_ROWS.value} × "
           f"{_PROMPT.value + _COMPLETION.value} tokens, {_LAYERS.value} layers, vocabulary "
           f"{_VOCAB.value}, rank {_RANK.value}, {_DTYPE.value}, remat, {jax.default_backend()} × {jax.device_count()}; "
-          + (f"median of {_REPEATS.value} interleaved runs" if _REPEATS.value else "XLA operation counts only"))
+          + (f"median of {_REPEATS.value} interleaved runs" if _REPEATS.value else "operation counts only"))
     # time ratio: of the two medians; paired: the median of per-round ratios, with their range.
     exact = f" {'exact ms':>9} {'exact paired':>13}" if _EXACT.value else ""
     print(f"{'width':>6} {'params':>8} {'logra ms':>9} {'adamw ms':>9} {'time ratio':>11} "
@@ -377,7 +381,8 @@ def main(argv):
               f"{flops['logra'] / flops['adamw']:>11.3f}" + exact)
     width, _, ms, flops, paired = results[-1]
     print(f"at width {width}: logra/adamw time ratio {ms['logra'] / ms['adamw']:.3f} (paired "
-          f"{paired['logra'][0]:.3f}), FLOP ratio {flops['logra'] / flops['adamw']:.3f}")
+          f"{paired['logra'][0]:.3f}), FLOP ratio {flops['logra'] / flops['adamw']:.3f} "
+          f"(matrix products, every loop iteration counted)")
 
 
 if __name__ == "__main__":
