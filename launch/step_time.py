@@ -44,6 +44,15 @@ calls) runs under ``jax.profiler`` and logra_jax/profiling.py splits its wall ti
 categories (the model's matmuls and other operations, LoGRA's sketch products, A's generation,
 the merge, the optimizer); the table gives both optimizers' milliseconds side by side.
 
+The operations of a real config's update, from shapes alone (no weights, no run):
+
+    python -m launch.step_time --config configs/qwen2_5_7b_gsm8k.py --count_ops
+
+compiles the config's update for LoGRA and for AdamW and prints their matrix-product operations
+(matmul_count, every loop iteration counted) and the ratio: what the two updates' arithmetic
+allows, which the stand-in above scales down. The whole batch sits on one device here (FSDP
+splits only rows, so the ratio is the config's layout's).
+
 Peak memory (for an accelerator; one optimizer per process, because the high-water mark of a
 device cannot be reset):
 
@@ -69,9 +78,12 @@ import time  # noqa: E402
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "configs/*.py for --peak_memory.",
+_CONFIG = config_flags.DEFINE_config_file("config", None, "configs/*.py for --peak_memory or "
+                                          "--count_ops.",
                                           lock_config=False)
 _PEAK = flags.DEFINE_bool("peak_memory", False, "Measure one update's peak device memory.")
+_COUNT = flags.DEFINE_bool("count_ops", False, "Print the matmul operations of --config's update, "
+                           "LoGRA vs AdamW, from shapes alone.")
 _OPTIMIZER = flags.DEFINE_enum("optimizer", "logra", ["logra", "adamw"], "For --peak_memory.")
 _WIDTHS = flags.DEFINE_list("widths", ["512", "1024", "2048"], "Model widths d to time.")
 _LAYERS = flags.DEFINE_integer("layers", 2, "Decoder layers.")
@@ -308,8 +320,48 @@ def peak_memory(config, optimizer: str) -> dict:
             "first_update_seconds": seconds, "backend": jax.default_backend()}
 
 
+def count_ops(config) -> dict:
+    """{optimizer: matmul_count.MatmulCount} of one update of ``config``, compiled from abstract
+    arrays on one device (the config's mesh replaced by one device: FSDP splits only rows)."""
+    import jax
+    from logra_jax import matmul_count, memory, model_shapes
+    from logra_jax.rl.build import build_mesh, build_policy_update
+    from logra_jax.rl.policy import Policy
+
+    mesh = build_mesh({"fsdp": 1, "tensor": 1}, jax.devices()[:1], spare_devices=True)
+    model = memory.abstract_model(model_shapes.model_config_from(config.model))
+    params = memory.abstract_params(model, mesh)
+    rl = config.rl
+    batch = memory.abstract_batch(mesh, config.data.prompts_per_step * rl.num_generations,
+                                  rl.max_prompt_length, rl.max_completion_length)
+    counts = {}
+    for name in ("logra", "adamw"):
+        config.optimizer.name = name
+        update = build_policy_update(config, Policy(model))
+        opt_state = memory.abstract_opt_state(update.tx, params)
+        compiled = update.jitted(params, opt_state).lower(params, opt_state, batch).compile()
+        counts[name] = matmul_count.of_compiled(compiled)
+    return counts
+
+
 def main(argv):
     del argv
+    if _COUNT.value:
+        if _CONFIG.value is None:
+            sys.exit("error: --count_ops needs --config")
+        try:
+            counts = count_ops(_CONFIG.value)
+        except (ValueError, FileNotFoundError) as e:
+            sys.exit(f"error: {e}")
+        c = _CONFIG.value
+        print(f"{c.model.source}: one update of {c.data.prompts_per_step * c.rl.num_generations} "
+              f"rows × {c.rl.max_prompt_length + c.rl.max_completion_length} tokens in micro-batches "
+              f"of {c.rl.micro_batch_size}, rank {c.optimizer.logra.rank}, remat {c.model.remat}")
+        for name, n in counts.items():
+            unknown = f" ({n.unknown_loops} loops of unknown length counted once)" if n.unknown_loops else ""
+            print(f"  {name:6} {n.flops / 1e9:16,.1f} GFLOP of matrix products{unknown}")
+        print(f"  logra/adamw {counts['logra'].flops / counts['adamw'].flops:.3f}")
+        return
     if _PEAK.value:
         if _CONFIG.value is None:
             sys.exit("error: --peak_memory needs --config")

@@ -206,6 +206,39 @@ def test_zero_factor_probes_match_the_general_probe_branch_and_cost_less(model, 
 
 
 
+def test_the_sketched_backward_forms_no_dense_weight_gradient(model, tokens):
+    """LoGRA's gradient (the targets closed over, ∂L/∂B from zero-factor probes) performs exactly
+    the dense gradient's matrix products minus every target's weight gradient, 2·T·in·out, plus
+    its sketch, x·Aᵀ and (x·Aᵀ)ᵀH: 2·T·r·(in + out). Counted in the compiled programs with every
+    iteration of the layer scan (matmul_count), so a dense gradient formed anywhere shows."""
+    from logra_jax import matmul_count
+    rank, L, T = 4, CONFIG.num_layers, tokens.size
+    probes = {path: dataclasses.replace(p, factor_is_zero=True)
+              for path, p in _probes(model, rank, 0.0).items()}
+    factors = {path: p.factor for path, p in probes.items()}
+    is_target = lambda path, _: "/".join(map(str, path)) in probes
+    graphdef, targets, others = nnx.split(model, is_target, ...)
+
+    def loss(targets, others, factors):
+        live = {path: dataclasses.replace(p, factor=factors[path]) for path, p in probes.items()}
+        return jnp.sum(jnp.sin(nnx.merge(graphdef, targets, others)(tokens, probes=live)))
+
+    def count(argnums):
+        compiled = jax.jit(jax.grad(loss, argnums)).lower(targets, others, factors).compile()
+        return matmul_count.of_compiled(compiled).flops
+    shapes = [(_in_features(model, path), p.factor.shape[1]) for path, p in probes.items()]
+    dense_grads = sum(2 * L * T * d_in * d_out for d_in, d_out in shapes)
+    sketches = sum(2 * L * T * rank * (d_in + d_out) for d_in, d_out in shapes)
+    assert count((0, 1)) - count((1, 2)) == dense_grads - sketches
+
+
+def _in_features(model, path):
+    layer = model.layers
+    for name in path.split("/")[1:-1]:
+        layer = getattr(layer, name)
+    return layer.in_features
+
+
 @pytest.mark.parametrize("factor_is_zero", [True, False])
 def test_the_sketch_is_formed_r_by_out_and_transposed_after(factor_is_zero):
     """XLA:CPU runs Hᵀ(x·Aᵀ) written out × r up to 3× slower than (x·Aᵀ)ᵀH written r × out

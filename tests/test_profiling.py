@@ -148,3 +148,15 @@ def test_paired_ratio_is_blind_to_a_slow_spell_that_the_ratio_of_medians_sees():
     with pytest.raises(ValueError):                      # unpaired rounds are a bug, not a ratio
         paired_ratio({"logra": [1.0, 2.0], "adamw": [1.0]}, "logra", "adamw")
     assert all(np.isnan(paired_ratio({"logra": [], "adamw": []}, "logra", "adamw")))
+
+
+def test_step_time_count_ops_without_a_config_says_what_it_needs():
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-m", "launch.step_time", "--count_ops"],
+                         capture_output=True, text=True, env=env, timeout=300,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode != 0
+    assert out.stderr.strip().splitlines()[-1] == "error: --count_ops needs --config"
