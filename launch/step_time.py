@@ -320,6 +320,11 @@ def peak_memory(config, optimizer: str) -> dict:
             "first_update_seconds": seconds, "backend": jax.default_backend()}
 
 
+def _ratio(a: float, b: float) -> float:
+    # A backend whose products this count does not recognise reports 0: no ratio, not a crash.
+    return a / b if b else float("nan")
+
+
 def count_ops(config) -> dict:
     """{optimizer: matmul_count.MatmulCount} of one update of ``config``, compiled from abstract
     arrays on one device (the config's mesh replaced by one device: FSDP splits only rows)."""
@@ -360,7 +365,7 @@ def main(argv):
         for name, n in counts.items():
             unknown = f" ({n.unknown_loops} loops of unknown length counted once)" if n.unknown_loops else ""
             print(f"  {name:6} {n.flops / 1e9:16,.1f} GFLOP of matrix products{unknown}")
-        print(f"  logra/adamw {counts['logra'].flops / counts['adamw'].flops:.3f}")
+        print(f"  logra/adamw {_ratio(counts['logra'].flops, counts['adamw'].flops):.3f}")
         return
     if _PEAK.value:
         if _CONFIG.value is None:
@@ -430,10 +435,10 @@ def main(argv):
         print(f"{width:>6} {n_params / 1e6:>7.1f}M {ms['logra']:>9.1f} {ms['adamw']:>9.1f} "
               f"{ms['logra'] / ms['adamw']:>11.3f} {median:>7.3f} {f'{low:.3f}–{high:.3f}':>11} "
               f"{flops['logra'] / 1e9:>12.1f} {flops['adamw'] / 1e9:>12.1f} "
-              f"{flops['logra'] / flops['adamw']:>11.3f}" + exact)
+              f"{_ratio(flops['logra'], flops['adamw']):>11.3f}" + exact)
     width, _, ms, flops, paired = results[-1]
     print(f"at width {width}: logra/adamw time ratio {ms['logra'] / ms['adamw']:.3f} (paired "
-          f"{paired['logra'][0]:.3f}), FLOP ratio {flops['logra'] / flops['adamw']:.3f} "
+          f"{paired['logra'][0]:.3f}), FLOP ratio {_ratio(flops['logra'], flops['adamw']):.3f} "
           f"(matrix products, every loop iteration counted)")
 
 

@@ -11,7 +11,9 @@ shares of the work. Here every ``dot`` of the optimized HLO contributes
 times the trip counts of the while loops it sits in (XLA records a loop's count in its
 ``backend_config`` as ``known_trip_count``; a loop without one counts once, and
 ``MatmulCount.unknown_loops`` says how many there were). Dots inside fusions count through the
-fusion's call; the branches of a conditional count once each. Elementwise work is not counted:
+fusion's call (so do GPU Triton GEMM fusions); a GPU backend's library GEMMs (``custom-call``s to
+cuBLAS, ``__cublas$gemm`` and ``__cublas$lt$matmul``) count like dots, sized from their
+``dot_dimension_numbers``; the branches of a conditional count once each. Elementwise work is not counted:
 this is the arithmetic of the products, which is what LoGRA removes (the dense weight gradients).
 """
 
@@ -23,9 +25,12 @@ import re
 
 _HEADER = re.compile(r"^\s*(?:ENTRY\s+)?%([^\s(]+)\s*\(.*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%([^\s=]+)\s*=\s*(.*)$")
-_ARRAY = re.compile(r"^[a-z0-9]+\[([0-9,]*)\]")
-_DOT = re.compile(r"\bdot\(\s*(?:[a-z0-9]+\[[0-9,]*\](?:\{[^}]*\})?\s+)?%([^\s,)]+)")
-_LHS_CONTRACTING = re.compile(r"lhs_contracting_dims=\{([0-9,]*)\}")
+_ARRAY = re.compile(r"^\(?[a-z0-9]+\[([0-9,]*)\]")   # an array type, or a tuple's first one
+# The first operand of a dot or a library GEMM, printed with or without its type.
+_OPERAND = r"\(\s*(?:[a-z0-9]+\[[0-9,]*\](?:\{[^}]*\})?\s+)?%?([^\s,)]+)"
+_DOT = re.compile(r"\bdot" + _OPERAND)
+_GEMM = re.compile(r"\bcustom-call" + _OPERAND + r".*custom_call_target=\"__cublas\$(?:gemm|lt\$matmul)")
+_LHS_CONTRACTING = re.compile(r'lhs_contracting_(?:dims=\{([0-9,]*)\}|dimensions":\[([0-9",\s]*)\])')
 _CALLEE = re.compile(r"\b(calls|body|condition|to_apply)=%([^\s,}]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"([0-9]+)"\}')
@@ -65,14 +70,15 @@ def count(hlo_text: str) -> MatmulCount:
         dims = _dims(rest)
         if dims is not None:
             shapes[computation][name] = dims
-        dot = _DOT.search(rest)
+        dot = _DOT.search(rest) or _GEMM.search(rest)
         if dot is not None and dims is not None:
             lhs = shapes[computation].get(dot.group(1))
             contracting = _LHS_CONTRACTING.search(rest)
             if lhs is None or contracting is None:
-                raise ValueError(f"cannot size the dot %{name}: operand %{dot.group(1)} or its "
-                                 f"contracting dims are not in the HLO text")
-            depth = math.prod(lhs[int(d)] for d in contracting.group(1).split(",") if d)
+                raise ValueError(f"cannot size the product %{name}: operand %{dot.group(1)} or "
+                                 f"its contracting dims are not in the HLO text")
+            axes = (contracting.group(1) or contracting.group(2) or "").replace('"', "")
+            depth = math.prod(lhs[int(d)] for d in axes.split(",") if d.strip())
             dots[computation].append(2.0 * math.prod(dims) * depth)
         trip = _TRIP_COUNT.search(rest)
         for kind, callee in _CALLEE.findall(rest):

@@ -65,3 +65,39 @@ def test_a_loop_without_a_known_trip_count_counts_once_and_says_so():
 def test_text_without_an_entry_computation_is_refused():
     with pytest.raises(ValueError, match="no ENTRY computation"):
         matmul_count.count("HloModule empty\n")
+
+
+# A GPU backend's optimized HLO (as XLA's GEMM rewriter writes it; no GPU here to compile one):
+# a cuBLAS GEMM with a tuple result (product, workspace) in a loop of 3, and a cuBLASLt matmul
+# with its operands printed with their types.
+GPU_HLO = """HloModule gpu, entry_computation_layout={(f32[32,64]{1,0}, f32[64,16]{1,0})->f32[32,16]{1,0}}
+
+%body (state: (s32[], f32[32,64], f32[64,16])) -> (s32[], f32[32,64], f32[64,16]) {
+  %state = (s32[], f32[32,64]{1,0}, f32[64,16]{1,0}) parameter(0)
+  %a = f32[32,64]{1,0} get-tuple-element(%state), index=1
+  %b = f32[64,16]{1,0} get-tuple-element(%state), index=2
+  %gemm = (f32[32,16]{1,0}, s8[4194304]{0}) custom-call(%a, %b), custom_call_target="__cublas$gemm", backend_config={"operation_queue_id":"0","gemm_backend_config":{"alpha_real":1,"beta":0,"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]},"epilogue":"DEFAULT"}}
+  %i = s32[] get-tuple-element(%state), index=0
+  ROOT %next = (s32[], f32[32,64]{1,0}, f32[64,16]{1,0}) tuple(%i, %a, %b)
+}
+
+%cond (state.1: (s32[], f32[32,64], f32[64,16])) -> pred[] {
+  %state.1 = (s32[], f32[32,64]{1,0}, f32[64,16]{1,0}) parameter(0)
+  ROOT %go = pred[] constant(true)
+}
+
+ENTRY %main (p0: f32[32,64], p1: f32[64,16]) -> f32[32,16] {
+  %p0 = f32[32,64]{1,0} parameter(0)
+  %p1 = f32[64,16]{1,0} parameter(1)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[32,64]{1,0}, f32[64,16]{1,0}) tuple(%zero, %p0, %p1)
+  %loop = (s32[], f32[32,64]{1,0}, f32[64,16]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  %lt = (f32[32,16]{1,0}, s8[0]{0}) custom-call(f32[32,64]{1,0} %p0, f32[64,16]{1,0} %p1), custom_call_target="__cublas$lt$matmul", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]}}}
+  ROOT %out = f32[32,16]{1,0} get-tuple-element(%lt), index=0
+}
+"""
+
+
+def test_gpu_library_gemms_count_like_dots():
+    got = matmul_count.count(GPU_HLO)
+    assert got == matmul_count.MatmulCount(flops=(3 + 1) * 2 * 32 * 64 * 16, unknown_loops=0)
