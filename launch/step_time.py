@@ -29,6 +29,9 @@ A 7B-proportioned stand-in at width 512 scales what sets the ratio with the widt
 (r/in = 256/3584 = 0.07 at 7B: ``--rank 32``) and the head (the 7B head is 8 % of its layers'
 weights, the default 8192-entry vocabulary at width 512 with 2 layers 67 %: ``--vocab 1024``),
 with the 7B config's 32 micro-steps: ``--widths 512 --rank 32 --vocab 1024 --micro_steps 32``.
+Width 512 leaves more of an update to work that is not a product (norms, attention's softmax,
+SiLU, copies: per token ∝ d, the products ∝ d²) than the 7B model has; the same proportions at
+width 2048 are ``--widths 2048 --rank 144 --vocab 4096`` (a few micro-steps: each takes seconds).
 
 LoGRA's merge is one plain fp32 dot here, as in any run whose merges no rollout engine replays
 (rl/build.py: replays_merge). ``--exact_merge`` also times LoGRA with the order-free merge that a
