@@ -23,16 +23,14 @@ import dataclasses
 import math
 import re
 
-_HEADER = re.compile(r"^\s*(?:ENTRY\s+)?%([^\s(]+)\s*\(.*\{\s*$")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%([^\s=]+)\s*=\s*(.*)$")
+from logra_jax import hlo_text
+
 _ARRAY = re.compile(r"^\(?[a-z0-9]+\[([0-9,]*)\]")   # an array type, or a tuple's first one
 # The first operand of a dot or a library GEMM, printed with or without its type.
 _OPERAND = r"\(\s*(?:[a-z0-9]+\[[0-9,]*\](?:\{[^}]*\})?\s+)?%?([^\s,)]+)"
 _DOT = re.compile(r"\bdot" + _OPERAND)
 _GEMM = re.compile(r"\bcustom-call" + _OPERAND + r".*custom_call_target=\"__cublas\$(?:gemm|lt\$matmul)")
 _LHS_CONTRACTING = re.compile(r'lhs_contracting_(?:dims=\{([0-9,]*)\}|dimensions":\[([0-9",\s]*)\])')
-_CALLEE = re.compile(r"\b(calls|body|condition|to_apply)=%([^\s,}]+)")
-_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"([0-9]+)"\}')
 
 
@@ -49,21 +47,21 @@ def _dims(shape_text: str) -> tuple[int, ...] | None:
     return tuple(int(d) for d in match.group(1).split(",") if d)
 
 
-def count(hlo_text: str) -> MatmulCount:
+def count(text: str) -> MatmulCount:
     """The matmul operations of an optimized HLO module's text (``compiled.as_text()``)."""
     shapes: dict[str, dict[str, tuple[int, ...]]] = {}   # computation → instruction → dims
     dots: dict[str, list[float]] = {}                     # computation → flops of each dot
     calls: dict[str, list[tuple[str, int]]] = {}          # computation → [(callee, times)]
     entry, computation, unknown = None, None, 0
-    for line in hlo_text.splitlines():
-        header = _HEADER.match(line)
-        if header is not None:
+    for line in text.splitlines():
+        header = hlo_text.COMPUTATION.match(line)
+        if header is not None and line.rstrip().endswith("{"):
             computation = header.group(1)
             if line.lstrip().startswith("ENTRY"):
                 entry = computation
             shapes[computation], dots[computation], calls[computation] = {}, [], []
             continue
-        instruction = _INSTRUCTION.match(line)
+        instruction = hlo_text.INSTRUCTION.match(line)
         if instruction is None or computation is None:
             continue
         name, rest = instruction.groups()
@@ -81,13 +79,13 @@ def count(hlo_text: str) -> MatmulCount:
             depth = math.prod(lhs[int(d)] for d in axes.split(",") if d.strip())
             dots[computation].append(2.0 * math.prod(dims) * depth)
         trip = _TRIP_COUNT.search(rest)
-        for kind, callee in _CALLEE.findall(rest):
+        for kind, callee in hlo_text.CALLED.findall(rest):
             times = 1
             if kind == "body":
                 times = int(trip.group(1)) if trip else 1
                 unknown += trip is None
             calls[computation].append((callee, times))
-        for branches in _BRANCHES.findall(rest):
+        for branches in hlo_text.BRANCHES.findall(rest):
             calls[computation] += [(b.strip().lstrip("%"), 1) for b in branches.split(",") if b.strip()]
     if entry is None:
         raise ValueError("no ENTRY computation in the HLO text")

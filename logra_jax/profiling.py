@@ -33,6 +33,8 @@ import time
 
 import jax
 
+from logra_jax import hlo_text
+
 # (named scope, category): the code marks what is LoGRA's own work with these scopes. Checked in
 # order: a merge inside the optimizer's scope counts as the merge.
 SCOPES: tuple[tuple[str, str], ...] = (
@@ -45,13 +47,9 @@ SCOPES: tuple[tuple[str, str], ...] = (
 MATMULS, OTHER, IDLE = "matmuls (model)", "other ops (model)", "between operations"
 _CONTAINERS = frozenset({"while", "conditional", "call"})
 
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%([^\s=]+)\s*=\s*(.*)$")
-_COMPUTATION = re.compile(r"^\s*(?:ENTRY\s+)?%([^\s(]+)\s*\(")
 _OPCODE = re.compile(r"\b([a-z][a-z0-9\-]*)\(")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _CALLS = re.compile(r"calls=%([^\s,}]+)")
-_CALLED = re.compile(r"\b(?:calls|body|condition|to_apply)=%([^\s,}]+)")
-_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,9 +70,9 @@ def parse_hlo(text: str) -> dict[str, Instruction]:
     caller: dict[str, str] = {}   # computation → the instruction that calls it
     computation = None
     for line in text.splitlines():
-        instruction = _INSTRUCTION.match(line)
+        instruction = hlo_text.INSTRUCTION.match(line)
         if instruction is None:
-            header = _COMPUTATION.match(line)
+            header = hlo_text.COMPUTATION.match(line)
             if header is not None and line.rstrip().endswith("{"):
                 computation = header.group(1)
             continue
@@ -83,8 +81,8 @@ def parse_hlo(text: str) -> dict[str, Instruction]:
         opcode = opcode.group(1) if opcode else "?"
         op_name = _OP_NAME.search(rest)
         calls = _CALLS.search(rest)
-        called = _CALLED.findall(rest)
-        for branches in _BRANCHES.findall(rest):
+        called = [callee for _, callee in hlo_text.CALLED.findall(rest)]
+        for branches in hlo_text.BRANCHES.findall(rest):
             called += [b.strip().lstrip("%") for b in branches.split(",")]
         for computation_name in called:
             caller.setdefault(computation_name, name)
