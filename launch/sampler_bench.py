@@ -150,28 +150,32 @@ def roofline_seconds(entries: int, nbytes: int, batch: int, prompt: int, steps: 
 
 def decode_dots_seconds(params, batch: int, repeats: int) -> float:
     """Median seconds of one decode step's matrix products alone at ``batch`` rows (see the module
-    docstring), on one device, with the weights split into per-layer arrays first (as the
-    sampler's per-layer decode reads them)."""
+    docstring), on one device, written as the sampler's per-layer decode runs them: each layer's
+    kernels stored transposed and multiplied weights-major, and the head as vocabulary-major
+    logits (`linear.weights_major_product`; an untied head as hidden·W_head)."""
     import jax
     import jax.numpy as jnp
+    from logra_jax.models.linear import weights_major_matmul, weights_major_product
     from logra_jax.models.llama import LAYER_LINEARS
     from logra_jax.tree_paths import leaves_with_paths
     device = jax.devices()[0]
     leaves = dict(leaves_with_paths(params))
     stacks = {path.split("/")[-2]: leaves[path] for path in LAYER_LINEARS}
-    layers = jax.device_put([{name: w[i] for name, w in stacks.items()}
+    layers = jax.device_put([{name: w[i].T for name, w in stacks.items()}
                              for i in range(stacks["q_proj"].shape[0])], device)
     tied = "lm_head/kernel" not in leaves
     head = jax.device_put(leaves["embed_tokens/embedding" if tied else "lm_head/kernel"], device)
 
     @jax.jit
     def products(layers, head, x):
+        def mm(x, name):
+            return weights_major_matmul(x, w[name])
         for w in layers:
-            q, k, v = x @ w["q_proj"], x @ w["k_proj"], x @ w["v_proj"]
+            q, k, v = mm(x, "q_proj"), mm(x, "k_proj"), mm(x, "v_proj")
             # k and v only have to stay alive: two row sums are all that is added for them.
-            h = x + q @ w["o_proj"] + jnp.sum(k, -1, keepdims=True) + jnp.sum(v, -1, keepdims=True)
-            x = h + (h @ w["gate_proj"] * (h @ w["up_proj"])) @ w["down_proj"]
-        return jnp.einsum("bd,vd->bv" if tied else "bd,dv->bv", x, head)
+            h = x + mm(q, "o_proj") + jnp.sum(k, -1, keepdims=True) + jnp.sum(v, -1, keepdims=True)
+            x = h + mm(mm(h, "gate_proj") * mm(h, "up_proj"), "down_proj")
+        return weights_major_product(head, x) if tied else x @ head
 
     x = jax.device_put(jnp.ones((batch, stacks["q_proj"].shape[1]), head.dtype), device)
     return _median_seconds(lambda: products(layers, head, x), max(repeats, 5))

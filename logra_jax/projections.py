@@ -99,13 +99,23 @@ def _mix32(x: jax.Array) -> jax.Array:
 def hashed_bits(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     """uint32 random bits of ``shape``: the entry at row-major position c is
     mix(mix(c ⊕ s₀) ⊕ s₁), (s₀, s₁) = two threefry words of ``key`` (for (rows, cols): c = a·cols + j)."""
+    check_counter_range(shape)
+    return hash_positions(key, jax.lax.iota(jnp.uint32, math.prod(shape)).reshape(shape))
+
+
+def hash_positions(key: jax.Array, positions: jax.Array) -> jax.Array:
+    """The bits `hashed_bits` gives the entries at row-major ``positions`` (uint32, any shape):
+    for an array laid out in another order than the one its bits are defined in."""
+    s = jax.random.bits(key, (2,), jnp.uint32)
+    return _mix32(_mix32(positions ^ s[0]) ^ s[1])
+
+
+def check_counter_range(shape: tuple[int, ...]) -> None:
+    """Raises if ``shape`` has more entries than the 32-bit counter of `hashed_bits` can tell apart."""
     size = math.prod(shape)
     if size > 2 ** 32:
         raise ValueError(f"{' × '.join(map(str, shape))} = {size} entries are more than 2³²; "
                          f"the hashed counter would repeat")
-    s = jax.random.bits(key, (2,), jnp.uint32)
-    counter = jax.lax.iota(jnp.uint32, size).reshape(shape)
-    return _mix32(_mix32(counter ^ s[0]) ^ s[1])
 
 
 def projection(key: jax.Array, rank: int, in_dim: int, distribution: Distribution = "rademacher",

@@ -1,6 +1,7 @@
 """The NNX decoder on a tiny config: cache, padding, probes, remat, bf16, sharding, validation."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -96,6 +97,45 @@ def test_cache_prefill_then_decode_equals_full_forward(model, run, tokens):
         step, cache = run(tokens[:, i:i + 1], cache=cache)
         pieces.append(step)
     assert int(cache.index) == 9 and cache.mask[:, :9].all() and not cache.mask[:, 9:].any()
+    np.testing.assert_allclose(jnp.concatenate(pieces, axis=1), full, atol=1e-5)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_per_layer_decode_reads_weights_major_kernels(tied, tokens):
+    """`unstacked_layers` stores every layer's linear kernels transposed, (out, in), and tagged
+    (linear.weights_major); decoding with them after a scanned prefill gives the full forward's
+    logits (a Linear that ignored the tag would multiply the square q and o kernels transposed),
+    and the vocabulary-major logits of a decode step are its logits transposed."""
+    from logra_jax.models.linear import WEIGHTS_MAJOR
+    model = Decoder(dataclasses.replace(CONFIG, tie_embeddings=tied), rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+    stacked = weights_of(model.layers)
+    layers = model.unstacked_layers()
+    assert len(layers) == CONFIG.num_layers
+    for i, layer in enumerate(layers):
+        for path, variable in nnx.to_flat_state(layer):
+            name = "/".join(map(str, path))
+            is_kernel = path[-1] == "kernel"
+            assert bool(variable.get_metadata().get(WEIGHTS_MAJOR)) == is_kernel, name
+            expected = stacked[name][i].T if is_kernel else stacked[name][i]
+            np.testing.assert_array_equal(np.asarray(variable[...]), expected, err_msg=name)
+
+    @functools.partial(jax.jit, static_argnames="per_layer")
+    def forward(state, tokens, cache=None, per_layer=False):
+        m = nnx.merge(graphdef, state)
+        if not per_layer:
+            return m(tokens, cache=cache)
+        hidden, cache = m(tokens, cache=cache, layers=m.unstacked_layers(), return_hidden=True)
+        return m.logits(hidden), m.vocab_major_logits(hidden[:, -1]), cache
+
+    full = forward(state, tokens)
+    logits, cache = forward(state, tokens[:, :5], model.init_cache(2, 12))
+    cache = cache.unstacked()
+    pieces = [logits]
+    for i in range(5, 9):
+        step, vocab_major, cache = forward(state, tokens[:, i:i + 1], cache, per_layer=True)
+        np.testing.assert_allclose(vocab_major, step[:, -1].T, atol=1e-6)
+        pieces.append(step)
     np.testing.assert_allclose(jnp.concatenate(pieces, axis=1), full, atol=1e-5)
 
 

@@ -9,7 +9,8 @@ from flax import nnx
 from logra_jax.models import Decoder
 from logra_jax.models.config import tiny
 from logra_jax.rl.policy import Policy, Sequences
-from logra_jax.rl.sampler import Sampler, filter_logits, gumbel_max, left_align, pad_prompts
+from logra_jax.rl.sampler import (Sampler, filter_logits, first_argmax, gumbel_max, left_align,
+                                  pad_prompts)
 
 PROMPT_LEN, STEPS, PAD = 8, 6, 0
 
@@ -200,6 +201,33 @@ def test_gumbel_max_is_the_same_draw_on_any_layout():
     assert (one == eight).all()
     # Not just the argmax of the logits: the noise moves some rows off it.
     assert (one != np.asarray(jnp.argmax(logits, axis=-1))).any()
+
+
+def test_gumbel_max_reads_either_layout_and_keeps_its_formula():
+    """[rows, V] and [V, rows] logits (the decode head's layout) draw the same tokens: the
+    argmax of logits − log(−log u), u from hashed_bits at each logit's row-major position in
+    [rows, V] (the formula in gumbel_max's docstring, computed here from hashed_bits)."""
+    from logra_jax.projections import hashed_bits
+    logits = jax.random.normal(jax.random.PRNGKey(0), (16, 40)) * 3
+    key = jax.random.PRNGKey(3)
+    u = ((np.asarray(hashed_bits(key, logits.shape)) >> 8).astype(np.float32) + 0.5) * 2.0 ** -24
+    expected = np.argmax(np.asarray(logits) - np.log(-np.log(u)), axis=-1)
+    rows_first = np.asarray(gumbel_max(key, logits))
+    vocab_first = np.asarray(jax.jit(gumbel_max, static_argnames="vocab_axis")(
+        key, logits.T, vocab_axis=0))
+    np.testing.assert_array_equal(rows_first, expected)
+    np.testing.assert_array_equal(vocab_first, expected)
+    with pytest.raises(ValueError, match="gumbel_max takes"):
+        gumbel_max(key, logits[None])
+
+
+def test_first_argmax_is_argmax_with_ties_and_nans():
+    x = np.asarray([[1.0, 3.0, 3.0, 0.0], [2.0, np.nan, 5.0, np.nan], [-1.0, -1.0, -1.0, -1.0]],
+                   np.float32)
+    for axis in (0, 1, -1):
+        np.testing.assert_array_equal(np.asarray(first_argmax(jnp.asarray(x), axis)),
+                                      np.asarray(jnp.argmax(jnp.asarray(x), axis=axis)))
+    assert np.asarray(first_argmax(jnp.asarray(x), 1)).tolist() == [1, 1, 0]
 
 
 def test_bad_input_is_rejected(setup):

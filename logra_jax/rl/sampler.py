@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from logra_jax.projections import hashed_bits
+from logra_jax.projections import check_counter_range, hash_positions
 from logra_jax.rl.policy import Policy
 
 NEG_INF = -1e30
@@ -79,25 +79,46 @@ def pad_prompts(prompts: Sequence[Sequence[int]], length: int, pad_id: int):
     return tokens, mask
 
 
-def gumbel_max(key: jax.Array, logits: jax.Array) -> jax.Array:
-    """One draw per row from softmax(logits) (int32 [...]), by the Gumbel-max trick:
+def first_argmax(x: jax.Array, axis: int) -> jax.Array:
+    """jnp.argmax(x, axis) (the first maximum's index, or the first NaN's), as two plain reductions.
+
+    XLA's CPU backend runs argmax, a reduction over (value, index) pairs, as a scalar loop: over
+    16 × 49 152 logits it took 3.3× as long as this max, then the smallest index holding it.
+    """
+    top = jnp.max(x, axis=axis, keepdims=True)
+    index = jax.lax.broadcasted_iota(jnp.int32, x.shape, axis % x.ndim)
+    at_top = (x == top) | jnp.isnan(x)
+    return jnp.min(jnp.where(at_top, index, x.shape[axis]), axis=axis)
+
+
+def gumbel_max(key: jax.Array, logits: jax.Array, *, vocab_axis: int = -1) -> jax.Array:
+    """One draw per row from softmax(logits) (int32 [rows]), by the Gumbel-max trick:
 
         token = argmax_v (logits_v + g_v),   g_v = −log(−log u_v),   u_v ~ U(0, 1) independent
 
     (argmax of logits plus independent standard Gumbel noise is distributed as softmax(logits)).
-    u comes from the counter hash `projections.hashed_bits`, one 32-bit word per logit, whose top
-    24 bits pick the centre of one of 2²⁴ equal bins: u ∈ [2⁻²⁵, 1 − 2⁻²⁵], so g ∈ [−2.85, 17.33]
-    (a standard Gumbel leaves that range with probability 3·10⁻⁸). Why not
-    `jax.random.categorical`, which does the same with threefry bits: XLA's CPU backend runs
-    threefry as a loop of rounds, ~16 ms of a 100 ms SmolLM2 decode step at batch 16 (README
-    "Rollout speed"); hashed bits fuse into the argmax. Like threefry's, they are a function of
-    the key and each logit's position in the global [batch, vocab] array, so a batch split over
-    other devices or processes draws the same tokens. Gumbel-max, not an inverse-CDF draw: a
-    last-bit change of the logits (another layout sums in another order) flips its token only
-    at a near-tie of the two largest perturbed logits.
+    ``logits``: [rows, V], or [V, rows] with ``vocab_axis=0`` (how a decode step's head writes
+    them, `Decoder.vocab_major_logits`); either layout draws the same tokens. u comes from the
+    counter hash `projections.hashed_bits`, one 32-bit word per logit at its row-major position
+    in the [rows, V] array, whose top 24 bits pick the centre of one of 2²⁴ equal bins:
+    u ∈ [2⁻²⁵, 1 − 2⁻²⁵], so g ∈ [−2.85, 17.33] (a standard Gumbel leaves that range with
+    probability 3·10⁻⁸). Why not `jax.random.categorical`, which does the same with threefry
+    bits: XLA's CPU backend runs threefry as a loop of rounds, ~16 ms of a 100 ms SmolLM2 decode
+    step at batch 16 (README "Rollout speed"); hashed bits fuse into the argmax. Like
+    threefry's, they are a function of the key and each logit's global position, so a batch
+    split over other devices or processes draws the same tokens. Gumbel-max, not an inverse-CDF
+    draw: a last-bit change of the logits (another layout sums in another order) flips its token
+    only at a near-tie of the two largest perturbed logits.
     """
-    u = ((hashed_bits(key, logits.shape) >> 8).astype(jnp.float32) + 0.5) * (2.0 ** -24)
-    return jnp.argmax(logits - jnp.log(-jnp.log(u)), axis=-1).astype(jnp.int32)
+    if logits.ndim != 2:
+        raise ValueError(f"gumbel_max takes [rows, V] or [V, rows] logits, got shape {logits.shape}")
+    vocab_axis %= 2
+    check_counter_range(logits.shape)
+    vocab = logits.shape[vocab_axis]
+    position = (jax.lax.broadcasted_iota(jnp.uint32, logits.shape, 1 - vocab_axis) * jnp.uint32(vocab)
+                + jax.lax.broadcasted_iota(jnp.uint32, logits.shape, vocab_axis))
+    u = ((hash_positions(key, position) >> 8).astype(jnp.float32) + 0.5) * (2.0 ** -24)
+    return first_argmax(logits - jnp.log(-jnp.log(u)), vocab_axis)
 
 
 def filter_logits(logits: jax.Array, top_k: int, top_p: float) -> jax.Array:
@@ -190,22 +211,28 @@ class Sampler:
         cache = model.init_cache(batch, prompt_len + steps)
         # Prefill: only the last position's logits are needed, so the head runs on that one
         # hidden state (full-vocabulary logits of every prompt position would be b × t × V).
+        # Logits are [V, b], vocabulary first, here and in every decode step (vocab_major_logits).
         hidden, cache = model(prompt_tokens, positions=positions, segment_mask=prompt_mask,
                               cache=cache, return_hidden=True, probes=probes)
-        last_logits = model.logits(hidden[:, -1:])[:, 0].astype(jnp.float32)
+        last_logits = model.vocab_major_logits(hidden[:, -1])
         layers = None
         if self.per_layer_decode:   # once per call: every decode step reads these arrays in place
             layers, cache = model.unstacked_layers(), cache.unstacked()
         eos = jnp.asarray(self.eos_ids, jnp.int32)
 
         def pick(logits_t, key):
+            """(token, log softmax(logits / T) at the token) of every row of logits_t [V, b]."""
             scaled = logits_t / jnp.where(greedy, 1.0, temperature)
-            logprobs_all = jax.nn.log_softmax(scaled, axis=-1)
             if greedy:
-                token = jnp.argmax(logits_t, axis=-1).astype(jnp.int32)
+                token = first_argmax(logits_t, axis=0)
+            elif top_k or top_p < 1.0:
+                token = gumbel_max(key, filter_logits(scaled.T, top_k, top_p))
             else:
-                token = gumbel_max(key, filter_logits(scaled, top_k, top_p))
-            return token, jnp.take_along_axis(logprobs_all, token[:, None], axis=-1)[:, 0]
+                token = gumbel_max(key, scaled, vocab_axis=0)
+            # log_softmax's arithmetic for the drawn entry only: (x − max) − log Σ exp(x − max).
+            top = jnp.max(scaled, axis=0)
+            log_total = jnp.log(jnp.sum(jnp.exp(scaled - top), axis=0))
+            return token, (jnp.take_along_axis(scaled, token[None], axis=0)[0] - top) - log_total
 
         def choose(step, cache, logits_t, done, position, key, tokens, logprobs, mask):
             """Draws token ``step`` of every row from ``logits_t`` and records it."""
@@ -226,11 +253,11 @@ class Sampler:
         def body(carry):
             """The forward pass of the last drawn tokens, then the next draw from its logits."""
             step, cache, done, position, key, tokens, logprobs, mask, token, valid = carry
-            out, cache = model(token[:, None], positions=position[:, None],
-                               segment_mask=valid[:, None], cache=cache, probes=probes,
-                               layers=layers)
-            return choose(step + 1, cache, out[:, -1].astype(jnp.float32), done, position + 1, key,
-                          tokens, logprobs, mask)
+            hidden, cache = model(token[:, None], positions=position[:, None],
+                                  segment_mask=valid[:, None], cache=cache, probes=probes,
+                                  layers=layers, return_hidden=True)
+            return choose(step + 1, cache, model.vocab_major_logits(hidden[:, -1]), done,
+                          position + 1, key, tokens, logprobs, mask)
 
         # A forward pass runs only for a draw that reads its logits: C tokens take the prefill and
         # at most C − 1 decode passes, and none follows the draw that ends the last row.
