@@ -108,7 +108,7 @@ def devices_per_host(mesh_size: int, hosts: int) -> int:
 
 def measure(config, cols, mesh_sizes, rollout_devices, micro_steps, explain, hoist=True, hosts=1):
     import jax
-    from logra_jax import memory
+    from logra_jax.perf import memory
     from logra_jax.rl.build import build_mesh
 
     devices = jax.devices()
@@ -140,7 +140,7 @@ def measure(config, cols, mesh_sizes, rollout_devices, micro_steps, explain, hoi
 
 def main(argv):
     del argv
-    from logra_jax import memory
+    from logra_jax.perf import memory
 
     config = _CONFIG.value
     try:

@@ -12,7 +12,7 @@ one warm-up (compile) call each, then ``repeats`` rounds in which the two optimi
 (their order flips every round, so background load hits both alike). It prints the median
 milliseconds of each, their ratio LoGRA / AdamW, the median (and range) of the per-round ratios —
 the paired estimate, which a slow spell of a shared machine moves least — and the matrix-product
-operations of each compiled update (logra_jax/matmul_count.py: every dot of the optimized HLO, times
+operations of each compiled update (logra_jax/perf/matmul_count.py: every dot of the optimized HLO, times
 the trip counts of the loops it runs in), which shared or busy machines cannot disturb. XLA's own
 ``cost_analysis()["flops"]`` counts a loop's body once: one micro-step of one layer, not the update.
 
@@ -43,7 +43,7 @@ The merge alone (``--merge``): per width, ``LowRankUpdate.merge_into`` of a stac
 one plain fp32 dot (``exact=False``), interleaved medians of ``repeats`` runs each.
 
 Where the time goes (``--profile``): per width, one update of each optimizer (after two warm-up
-calls) runs under ``jax.profiler`` and logra_jax/profiling.py splits its wall time into
+calls) runs under ``jax.profiler`` and logra_jax/perf/profiling.py splits its wall time into
 categories (the model's matmuls and other operations, LoGRA's sketch products, A's generation,
 the merge, the optimizer); the table gives both optimizers' milliseconds side by side.
 
@@ -132,7 +132,7 @@ def build(config, model_config, mesh, seed: int = 0):
     import jax
     import jax.numpy as jnp
     from flax import nnx
-    from logra_jax import memory
+    from logra_jax.perf import memory
     from logra_jax import sharding as sharding_lib
     from logra_jax.models import Decoder
     from logra_jax.rl.build import build_policy_update
@@ -192,7 +192,7 @@ def time_widths(widths, layers, rows, prompt_length, completion_length, rank, dt
     """[(width, params, {run: median ms}, {run: matmul flops}, {run: paired_ratio vs AdamW})] — see
     the module docstring. Runs are "logra" and "adamw", and ``EXACT`` with ``exact_merge``."""
     import jax
-    from logra_jax import matmul_count
+    from logra_jax.perf import matmul_count
 
     mesh, setups = width_configs(widths, layers, rows, prompt_length, completion_length, rank,
                                  dtype, micro_steps, vocab)
@@ -233,7 +233,7 @@ def profile_widths(widths, layers, rows, prompt_length, completion_length, rank,
     """[(width, {optimizer: profiling.Profile})]: one profiled update each, after two warm-ups
     (the first calls after a compile run slower: fresh buffers)."""
     import jax
-    from logra_jax import profiling
+    from logra_jax.perf import profiling
 
     mesh, setups = width_configs(widths, layers, rows, prompt_length, completion_length, rank,
                                  dtype, micro_steps, vocab)
@@ -253,11 +253,11 @@ def profile_widths(widths, layers, rows, prompt_length, completion_length, rank,
 
 
 def print_profiles(results):
-    from logra_jax import profiling
+    from logra_jax.perf import profiling
     order = ([profiling.MATMULS, profiling.OTHER] + [name for _, name in profiling.SCOPES]
              + [profiling.IDLE])
     for width, profiles in results:
-        print(f"width {width}: wall ms of one update, split by logra_jax/profiling.py")
+        print(f"width {width}: wall ms of one update, split by logra_jax/perf/profiling.py")
         print(f"{'':38} {'logra ms':>9} {'adamw ms':>9} {'logra − adamw':>14}")
         for name in order:
             ms = {k: p.categories.get(name, 0.0) for k, p in profiles.items()}
@@ -332,7 +332,8 @@ def count_ops(config) -> dict:
     """{optimizer: matmul_count.MatmulCount} of one update of ``config``, compiled from abstract
     arrays on one device (the config's mesh replaced by one device: FSDP splits only rows)."""
     import jax
-    from logra_jax import matmul_count, memory, model_shapes
+    from logra_jax import model_shapes
+    from logra_jax.perf import matmul_count, memory
     from logra_jax.rl.build import build_mesh, build_policy_update
     from logra_jax.rl.policy import Policy
 

@@ -53,7 +53,7 @@ def projection_keys(seed: int, path: str, update_index: jax.Array | int,
     Returns one key (``stack_shape == ()``) or an array of keys of shape ``stack_shape``, one per
     layer of a stacked weight, so every layer of a scanned stack gets its own A.
     """
-    with jax.named_scope("logra_projection"):  # named for profiles (logra_jax/profiling.py)
+    with jax.named_scope("logra_projection"):  # named for profiles (logra_jax/perf/profiling.py)
         key = jax.random.fold_in(jax.random.PRNGKey(seed), layer_id(path))
         key = jax.random.fold_in(key, jnp.asarray(update_index, jnp.uint32))
         if not stack_shape:
@@ -74,7 +74,7 @@ def projection_parts(key: jax.Array, rank: int, in_dim: int,
     """
     if distribution not in DISTRIBUTIONS:
         raise ValueError(f"distribution must be one of {DISTRIBUTIONS}, got {distribution!r}")
-    # Named for profiles (logra_jax/profiling.py): where regenerating A costs time.
+    # Named for profiles (logra_jax/perf/profiling.py): where regenerating A costs time.
     with jax.named_scope("logra_projection"):
         if distribution == "rademacher":
             bits = hashed_bits(key, (rank, in_dim))

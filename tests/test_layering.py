@@ -17,7 +17,7 @@ LAYERS = [
     {"optim", "models", "data"},
     {"model_shapes"},
     {"rl"},
-    {"memory"},
+    {"perf"},
 ]
 # Parts of one layer that must not import each other.
 INDEPENDENT = {("models", "optim"), ("optim", "models"), ("data", "optim"), ("data", "models"),

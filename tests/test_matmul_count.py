@@ -1,10 +1,10 @@
-"""logra_jax/matmul_count.py: a compiled program's matmul operations, loops counted as they run."""
+"""logra_jax/perf/matmul_count.py: a compiled program's matmul operations, loops counted as they run."""
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-from logra_jax import matmul_count
+from logra_jax.perf import matmul_count
 
 N = 64
 ONE_PRODUCT = 2 * N ** 3   # (N × N)·(N × N)

@@ -21,7 +21,8 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from configs import tiny
-from logra_jax import memory, model_shapes
+from logra_jax import model_shapes
+from logra_jax.perf import memory
 from logra_jax.tree_paths import leaves_with_paths
 from logra_jax.rl.build import build_mesh, build_optimizer
 from logra_jax.sharding import opt_state_shardings, sketch_shardings

@@ -251,7 +251,7 @@ def test_the_sketched_backward_forms_no_dense_weight_gradient(model, tokens):
     the dense gradient's matrix products minus every target's weight gradient, 2·T·in·out, plus
     its sketch, x·Aᵀ and (x·Aᵀ)ᵀH: 2·T·r·(in + out). Counted in the compiled programs with every
     iteration of the layer scan (matmul_count), so a dense gradient formed anywhere shows."""
-    from logra_jax import matmul_count
+    from logra_jax.perf import matmul_count
     rank, L, T = 4, CONFIG.num_layers, tokens.size
     probes = {path: dataclasses.replace(p, factor_is_zero=True)
               for path, p in _probes(model, rank, 0.0).items()}

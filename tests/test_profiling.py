@@ -1,10 +1,10 @@
-"""logra_jax/profiling.py: wall-time attribution of a compiled program's operations."""
+"""logra_jax/perf/profiling.py: wall-time attribution of a compiled program's operations."""
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-from logra_jax import profiling
+from logra_jax.perf import profiling
 
 
 def _op(name, ts, dur):

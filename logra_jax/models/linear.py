@@ -112,7 +112,7 @@ def _sketched_matmul_jvp(primals, tangents):
     if not isinstance(dkernel, SymbolicZero):
         terms.append(x @ dkernel)
     if not isinstance(dfactor, SymbolicZero):
-        with jax.named_scope("logra_sketch"):  # named for profiles (logra_jax/profiling.py)
+        with jax.named_scope("logra_sketch"):  # named for profiles (logra_jax/perf/profiling.py)
             terms.append(sketch_tangent(x @ a.T, dfactor))
     dy = sum(terms[1:], terms[0]) if terms else jnp.zeros_like(y)
     return y, dy

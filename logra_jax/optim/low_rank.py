@@ -192,7 +192,7 @@ _ROUNDING_SALT = 0x5352
 def _merge_one(kernel, u, key, weight_scale, distribution, rounding="nearest", exact=True):
     """ws·K + ΔK in K's dtype; ws·K is rounded before the add, as on every side of a sync. To a
     bf16 K the fp32 sum is rounded by ``rounding``, stochastically with a key derived from A's."""
-    with jax.named_scope("logra_merge"):  # named for profiles (logra_jax/profiling.py)
+    with jax.named_scope("logra_merge"):  # named for profiles (logra_jax/perf/profiling.py)
         delta = _delta_one(u, key, kernel.shape[0], distribution, exact)
         merged = rounded(weight_scale * kernel.astype(jnp.float32)) + delta
         return round_to(merged, kernel.dtype, rounding,

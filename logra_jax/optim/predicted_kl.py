@@ -132,7 +132,7 @@ def make_predict_kl(logits_fn: Callable, others, factors: dict[str, jax.Array],
     updates elsewhere; ``LowRankUpdate`` leaves are read through their factor, their weight decay
     is not part of the prediction) and runs one ``jax.jvp``.
     """
-    @jax.named_scope("predicted_kl")  # named for profiles (logra_jax/profiling.py)
+    @jax.named_scope("predicted_kl")  # named for profiles (logra_jax/perf/profiling.py)
     def predict_kl(updates) -> jax.Array:
         target_tangent, other_tangent = _split_candidate(updates, factors, "predict_kl")
         if others_frozen:

@@ -273,7 +273,7 @@ class PolicyUpdate:
                                                others_frozen=frozen),
                 # NaN: no completed response this step, nothing observed (the EMA stays).
                 mismatch=jnp.where(mismatch_count > 0, mismatch, jnp.nan))
-        # Named for profiles (logra_jax/profiling.py): the optimizer's own time, merges included.
+        # Named for profiles (logra_jax/perf/profiling.py): the optimizer's own time, merges included.
         with jax.named_scope("optimizer"):
             if self.subtree is not None:
                 trained = params[self.subtree]

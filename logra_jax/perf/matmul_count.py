@@ -23,7 +23,7 @@ import dataclasses
 import math
 import re
 
-from logra_jax import hlo_text
+from logra_jax.perf import hlo_text
 
 _ARRAY = re.compile(r"^\(?[a-z0-9]+\[([0-9,]*)\]")   # an array type, or a tuple's first one
 # The first operand of a dot or a library GEMM, printed with or without its type.

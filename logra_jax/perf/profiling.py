@@ -33,7 +33,7 @@ import time
 
 import jax
 
-from logra_jax import hlo_text
+from logra_jax.perf import hlo_text
 
 # (named scope, category): the code marks what is LoGRA's own work with these scopes. Checked in
 # order: a merge inside the optimizer's scope counts as the merge.
