@@ -2,7 +2,8 @@
 
     python -m launch.sync_bench [--configs=configs/tiny.py,configs/default.py,configs/qwen2_5_7b_gsm8k.py]
                                 [--sparse_fraction=0.01] [--measure_updates=3]
-                                [--measure_config=configs/tiny.py]
+                                [--measure_config=configs/tiny.py] [--measure_variants=kl,grpo]
+                                [--measure_param_dtypes=float32,bfloat16]
 
 Part 1, analytic (from parameter shapes only, no weights): for every config and both LoGRA variants
 the bytes one sync sends in each mode, and their ratio to the full bf16 weights. KL variant: bf16 U,
@@ -11,7 +12,8 @@ non-targets frozen; GRPO variant: fp32 U (``logra(variant="grpo")``'s default) o
 which only a run can tell: it is shown at ``--sparse_fraction`` of the trainable entries.
 
 Part 2, measured (``--measure_updates`` > 0): ``--measure_config`` (default configs/tiny.py)
-trained for that many real updates per variant on 4 devices while 4 others roll out, every mode's message built from each update and
+trained for that many real updates per variant and trainer weight dtype (fp32 master, or bf16
+with stochastic-rounding merges) on 4 devices while 4 others roll out, every mode's message built from each update and
 applied by its own receiver: bytes sent, the fraction of bf16 entries that changed, the log-prob
 mismatch trainer ↔ sampler, the drift of a factors receiver without the master copy, and the time
 of one sync (CPU-simulated devices: only the ratios carry over to real hardware).
@@ -38,6 +40,11 @@ _SPARSE_FRACTION = flags.DEFINE_float(
     "the analytic sparse row (docs/algorithm.md §8: ~99 % of RL-step changes are below bf16 resolution).")
 _MEASURE_UPDATES = flags.DEFINE_integer(
     "measure_updates", 3, "Real updates per variant for the measured table (0: analytic only).")
+_MEASURE_VARIANTS = flags.DEFINE_list(
+    "measure_variants", ["kl", "grpo"], "LoGRA variants of the measured table (kl, grpo).")
+_MEASURE_DTYPES = flags.DEFINE_list(
+    "measure_param_dtypes", ["float32", "bfloat16"], "Trainer weight dtypes of the measured table: "
+    "float32 master weights, or bfloat16 weights merged with stochastic rounding.")
 _MEASURE_CONFIG = flags.DEFINE_string(
     "measure_config", "configs/tiny.py", "Config of the measured run (its model, data, rank and "
     "learning rates; the variant is set per row).")
@@ -105,8 +112,11 @@ def analytic_table(config_paths, sparse_fraction: float) -> list[str]:
     return lines
 
 
-def measured_table(config_path: str, updates: int) -> list[str]:
-    """A config's RL loop on 4 + 4 devices: every mode's message from the same real updates."""
+def measured_table(config_path: str, updates: int, variants=tuple(VARIANTS),
+                   param_dtypes=("float32", "bfloat16")) -> list[str]:
+    """A config's RL loop on 4 + 4 devices: every mode's message from the same real updates, for
+    each variant and trainer weight dtype."""
+    import collections
     import time
 
     import jax
@@ -123,16 +133,19 @@ def measured_table(config_path: str, updates: int) -> list[str]:
                  "factors, no master": ("factors", False)}
     lines = [f"Measured: {config_path}, {updates} real updates per variant, trainer on 4 devices "
              f"(fsdp 4), sampler on 4 others (fsdp 2 × tensor 2); means over the updates", "",
-             "| variant | receiver | bytes/sync | vs full | changed bf16 entries | mismatch "
-             "(mean abs log-prob) | trainable weights ≠ trainer's bf16 | sync time* |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| variant | weights | receiver | bytes/sync | vs full | changed bf16 entries | "
+             "sparse encodings (leaves) | mismatch (mean abs log-prob) | "
+             "trainable weights ≠ trainer's bf16 | sync time* |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     train_devices, rollout_devices = sync.split_devices(4)
     train_mesh = build.build_mesh({"fsdp": 4, "tensor": 1}, train_devices)
     rollout_mesh = build.build_mesh({"fsdp": 2, "tensor": 2}, rollout_devices)
-    for variant, (opt_over, rl_over, _) in VARIANTS.items():
+    for variant, param_dtype in [(v, d) for v in variants for d in param_dtypes]:
+        opt_over, rl_over, _ = VARIANTS[variant]
         config = config_lib.load_config_file(config_path)
         config.optimizer.logra.update(opt_over)
         config.rl.update(rl_over)
+        config.model.param_dtype = param_dtype
         rl = config.rl
         build.validate(config)
         model, tokenizer = build.build_model(config.model, train_mesh)
@@ -155,7 +168,8 @@ def measured_table(config_path: str, updates: int) -> list[str]:
                    for name, (mode, master) in receivers.items()}
         data = build.build_data(config.data, config.seed)
         spec, grader = build.build_rollout_spec(config), build.build_grader(rl)
-        stats = {name: dict(bytes=[], full=[], mismatch=[], time=[], changed=[]) for name in receivers}
+        stats = {name: dict(bytes=[], full=[], mismatch=[], time=[], changed=[],
+                            encodings=collections.Counter()) for name in receivers}
         for i in range(updates):
             ro = collect_rollouts(sampler, engines["factors"].params, tokenizer, data.next(), spec,
                                   jax.random.PRNGKey(i), on_rollout)
@@ -182,6 +196,7 @@ def measured_table(config_path: str, updates: int) -> list[str]:
                 stats[name]["mismatch"].append(engines[name].mismatch(params, probe))
                 if mode == "sparse":
                     stats[name]["changed"].append(sum(message.num_changed.values()))
+                    stats[name]["encodings"].update(message.encodings.values())
         trainable_entries = senders["full"].full_bytes // 2
         for name in receivers:
             s = stats[name]
@@ -189,8 +204,9 @@ def measured_table(config_path: str, updates: int) -> list[str]:
             changed = (f"{np.mean(s['changed']) / trainable_entries:.2%}" if s["changed"] else "")
             # The first sync of each receiver compiles its programs: time the later ones.
             timed = s["time"][1:] or s["time"]
-            lines.append(f"| {variant} | {name} | {_gib(np.mean(s['bytes']))} | "
-                         f"{np.mean(s['bytes']) / np.mean(s['full']):.2%} | {changed} | "
+            encodings = ", ".join(f"{k} {n / updates:g}" for k, n in sorted(s["encodings"].items()))
+            lines.append(f"| {variant} | {param_dtype} | {name} | {_gib(np.mean(s['bytes']))} | "
+                         f"{np.mean(s['bytes']) / np.mean(s['full']):.2%} | {changed} | {encodings} | "
                          f"{np.mean(s['mismatch']):.3g} | {drift['frac_differing']:.2%} "
                          f"(max {drift['max_abs']:.2g}) | {np.mean(timed) * 1e3:.0f} ms |")
     lines += ["", "* mean over the syncs after the first; on CPU-simulated devices, and sparse includes "
@@ -208,7 +224,14 @@ def main(argv):
     print("\n".join(analytic_table(_CONFIGS.value, _SPARSE_FRACTION.value)), flush=True)
     if _MEASURE_UPDATES.value > 0:
         print()
-        print("\n".join(measured_table(_MEASURE_CONFIG.value, _MEASURE_UPDATES.value)))
+        unknown = set(_MEASURE_VARIANTS.value) - set(VARIANTS)
+        if unknown:
+            sys.exit(f"error: --measure_variants: unknown {sorted(unknown)}; choose from {sorted(VARIANTS)}")
+        bad_dtypes = set(_MEASURE_DTYPES.value) - {"float32", "bfloat16"}
+        if bad_dtypes:
+            sys.exit(f"error: --measure_param_dtypes: {sorted(bad_dtypes)}; choose float32, bfloat16")
+        print("\n".join(measured_table(_MEASURE_CONFIG.value, _MEASURE_UPDATES.value,
+                                        _MEASURE_VARIANTS.value, _MEASURE_DTYPES.value)))
 
 
 if __name__ == "__main__":

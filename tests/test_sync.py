@@ -245,6 +245,7 @@ def test_bytes_match_the_analytic_count(run):
     log = run["log"]
     expected = sync_bytes(run["params0"], run["sketch"], train_others=run["train_others"],
                           factor_itemsize=log["u_itemsize"])
+    encodings = set()
     for i, messages in enumerate(log["messages"]):
         assert messages["full"].nbytes == expected.full == run["senders"]["full"].full_bytes
         assert messages["factors_bf16"].nbytes == expected.factors
@@ -254,11 +255,47 @@ def test_bytes_match_the_analytic_count(run):
         for path in run["senders"]["sparse"].trainable:
             changed = int(np.sum(before[path].view(np.uint16) != after[path].view(np.uint16)))
             assert sparse.num_changed[path] == changed, path
-        assert sparse.nbytes == sum(sync_sparse.bucket_size(c) * 6 for c in sparse.num_changed.values())
+        # Each changed leaf in its cheapest encoding, and never more than a full sync.
+        cheapest = {p: sync_sparse.choose_encoding(c, before[p].size, 2)
+                    for p, c in sparse.num_changed.items()}
+        assert sparse.encodings == {p: name for p, (name, _) in cheapest.items() if name}
+        assert sparse.nbytes == sum(nbytes for _, nbytes in cheapest.values())
+        assert sparse.nbytes <= messages["full"].nbytes
+        encodings.update(sparse.encodings.values())
+    # fp32 weights trained by AdamW move nearly every bf16 entry (dense, which a patch of
+    # (index, value) pairs would have tripled); the KL variant's sub-ulp steps move few.
+    if run["name"] == "tiny_grpo":
+        assert "dense" in encodings, encodings
+    else:
+        assert "indices" in encodings and "dense" not in encodings, encodings
     # Targets' factors: at most r/in of their bf16 weights with bf16 U (KL), twice that with fp32 U.
     bound = expected.max_rank_ratio * log["u_itemsize"] / 2
     assert expected.target_factors <= bound * expected.target_weights
     assert expected.factors < expected.full
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.004, 0.05, 0.5, 0.99, 1.0])
+def test_sparse_encodings_rebuild_the_leaf_bit_for_bit(fraction):
+    """Every encoding, at any change rate, rebuilds the sender's bits on the receiver — the flipped
+    sign of a zero and a NaN's payload included — and the one chosen is the cheapest."""
+    rng = np.random.default_rng(0)
+    old = rng.standard_normal((37, 29)).astype(jnp.bfloat16)
+    new = old.copy()
+    flip = rng.random(old.shape) < fraction
+    new[flip] = rng.standard_normal(int(flip.sum())).astype(jnp.bfloat16)
+    old[0, :2], new[0, :2] = (0.0, np.nan), (-0.0, np.float32(np.nan) * -1)
+    count = int(np.sum(old.view(np.uint16) != new.view(np.uint16)))
+    sizes = sync_sparse.encoding_bytes(count, new.size, 2)
+    slots = sync_sparse.capacity(count, new.size)
+    sent, held = jnp.asarray(new), jnp.asarray(old)
+    patches = {"indices": sync_sparse.apply_patch(held, *sync_sparse.encode(sent, held, capacity=slots)),
+               "bitmap": sync_sparse.apply_bitmap(held, *sync_sparse.encode_bitmap(sent, held,
+                                                                                  capacity=slots))}
+    for name, rebuilt in patches.items():
+        np.testing.assert_array_equal(np.asarray(rebuilt).view(np.uint16), new.view(np.uint16), name)
+    encoding, nbytes = sync_sparse.choose_encoding(count, new.size, 2)
+    assert nbytes == min(sizes.values()) <= new.nbytes
+    assert sizes[encoding] == nbytes
 
 
 def test_sync_step_reports_bytes_and_mismatch(run):

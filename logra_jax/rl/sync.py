@@ -20,9 +20,11 @@ wire — and its bytes are what the sync reports. Three modes:
   * ``master_copy=False``: it merges into its bf16 weights. A change smaller than half a bf16 ulp
     (≈ 2⁻⁹ relative) is rounded away each step while the trainer's fp32 copy keeps it, so the sampler
     drifts; `weight_drift` and `RolloutEngine.mismatch` measure by how much.
-- ``sparse``: per trainable leaf, the entries whose bf16 bits changed (int32 index + bf16 value,
-  sync_sparse.py): exact, and as small as the number of changed entries. The sender diffs against a
-  bf16 mirror of what the receiver holds (2 bytes per trainable weight on the trainer's devices).
+- ``sparse``: per trainable leaf, the entries whose bf16 bits changed, each leaf in the cheapest of
+  three encodings (sync_sparse.py): int32 indices + values when few changed, a bitmap + values when
+  many did, the whole leaf when nearly all did — exact, and never more bytes than ``full``. The
+  sender diffs against a bf16 mirror of what the receiver holds (2 bytes per trainable weight on
+  the trainer's devices).
 
 Exactness of ``factors`` holds by construction, on any backend, CPU or GPU kind and pair of meshes:
 both sides regenerate the same A (threefry bits: integer arithmetic), and the product U·A is
@@ -140,7 +142,9 @@ class SyncMessage:
 
     payload: a pytree of arrays, the only thing transferred — the parts of its mode among
       ``dense`` {path: new value, sampler dtype}; ``factors`` {path: U}; ``weight_scale``
-      {path: fp32 scalar}; ``update_index`` int32 k; ``indices`` / ``values`` {path: sparse patch}.
+      {path: fp32 scalar}; ``update_index`` int32 k; sparse patches ``indices`` or ``bitmaps``
+      {path: where}, with ``values`` {path: changed values}. The part a leaf is in names its
+      encoding (`encodings`).
     sequence: the sender's count of messages before this one. ``factors`` and ``sparse`` messages
       are deltas: a receiver must apply every one of them, in order, and checks this number.
     num_changed: sparse only, {path: changed entries} (patches are padded to a bucket size).
@@ -153,6 +157,12 @@ class SyncMessage:
     sequence: int
     num_changed: dict[str, int] = dataclasses.field(default_factory=dict)
     rounding: str = "nearest"
+
+    @property
+    def encodings(self) -> dict[str, str]:
+        """{path: "dense" | "indices" | "bitmap"} of every leaf the message carries."""
+        parts = {"dense": "dense", "indices": "indices", "bitmaps": "bitmap"}
+        return {path: name for part, name in parts.items() for path in self.payload.get(part, {})}
 
     @property
     def nbytes(self) -> int:
@@ -254,17 +264,25 @@ class SyncSender:
         return payload
 
     def _sparse_payload(self, params) -> tuple[dict[str, Any], dict[str, int]]:
+        """Each changed leaf in its cheapest encoding (`sync_sparse.choose_encoding`)."""
         new = _cast_leaves(_select(params, self.trainable), self.dtype)
         counts = jax.device_get(sync_sparse.count_changes(new, self._mirror))
-        indices, values, num_changed = {}, {}, {}
+        dense, indices, bitmaps, values, num_changed = {}, {}, {}, {}, {}
         for path in self.trainable:
-            count = int(counts[path])
+            count, size = int(counts[path]), new[path].size
             num_changed[path] = count
-            if count:
+            encoding, _ = sync_sparse.choose_encoding(count, size, self.dtype.itemsize)
+            slots = sync_sparse.capacity(count, size)
+            if encoding == "dense":
+                dense[path] = new[path]
+            elif encoding == "indices":
                 indices[path], values[path] = sync_sparse.encode(
-                    new[path], self._mirror[path], capacity=sync_sparse.bucket_size(count))
+                    new[path], self._mirror[path], capacity=slots)
+            elif encoding == "bitmap":
+                bitmaps[path], values[path] = sync_sparse.encode_bitmap(
+                    new[path], self._mirror[path], capacity=slots)
         self._mirror = new  # what the receiver holds once this message is applied
-        return {"indices": indices, "values": values}, num_changed
+        return {"dense": dense, "indices": indices, "bitmaps": bitmaps, "values": values}, num_changed
 
 
 # ---------------------------------------------------------------------------------------------
@@ -321,7 +339,7 @@ class RolloutEngine:
                                           may_alias=False)
         self._factor_shardings = {p: sharding_without_in_dim(self._leaves[p], keep_last=True)
                                   for p in self.targets}
-        self._patchers: dict[str, Any] = {}
+        self._patchers: dict[tuple[str, Any], Any] = {}
         self._received = 0  # messages applied so far
         target_shardings = {p: self._shardings[p] for p in self.targets}
         if mode == "factors":
@@ -365,10 +383,12 @@ class RolloutEngine:
         if self.mode == "factors":
             self._apply_factors(payload, message.rounding)
         elif self.mode == "sparse":
-            for path, indices in payload["indices"].items():
-                self._check_leaf(path, None, payload["values"][path].dtype)
-                self._leaves[path] = self._patcher(path)(self._leaves[path], indices,
-                                                         payload["values"][path])
+            for part, apply in (("indices", sync_sparse.apply_patch),
+                                ("bitmaps", sync_sparse.apply_bitmap)):
+                for path, where in payload.get(part, {}).items():
+                    self._check_leaf(path, None, payload["values"][path].dtype)
+                    self._leaves[path] = self._patcher(path, apply)(self._leaves[path], where,
+                                                                    payload["values"][path])
         self._received += 1
 
     def _wire_shardings(self, payload) -> dict:
@@ -426,11 +446,11 @@ class RolloutEngine:
         master = self._merge_impl(master, factors, weight_scales, update_index, rounding)
         return master, {p: w.astype(self.dtype) for p, w in master.items()}
 
-    def _patcher(self, path):
-        if path not in self._patchers:
-            self._patchers[path] = jax.jit(sync_sparse.apply_patch, donate_argnums=0,
-                                           out_shardings=self._shardings[path])
-        return self._patchers[path]
+    def _patcher(self, path, apply):
+        if (path, apply) not in self._patchers:
+            self._patchers[path, apply] = jax.jit(apply, donate_argnums=0,
+                                                  out_shardings=self._shardings[path])
+        return self._patchers[path, apply]
 
     # -- measuring ----------------------------------------------------------------------------
     def mismatch(self, trainer_params, seqs: Sequences) -> float:

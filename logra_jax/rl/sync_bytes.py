@@ -6,7 +6,9 @@ With n_l the entries of leaf l, b the sampler's bytes per entry (2 for bf16) and
     full     Σ_{trainable l} n_l·b
     factors  Σ_{targets l} (stack_l·out_l·r_l·f + 4)  + 4  + Σ_{trainable non-targets l} n_l·b
              (U per layer, one fp32 weight_scale per target, one int32 update index)
-    sparse   (#changed entries)·(4 + b)   (int32 flat index + new value; break-even with full at 1/3)
+    sparse   Σ_{trainable l} min(c_l·(4 + b), ⌈n_l/8⌉ + c_l·b, n_l·b)   at c_l changed entries
+             (int32 indices + values, a bitmap + values, or the leaf dense: sync_sparse.py), so
+             never more than full
 
 so for the targets factors/full = Σ out·r·f / Σ out·in·b, at most max_l r_l/in_l when f = b.
 "Trainable" leaves are the targets plus, unless the optimizer freezes them (the KL variant), every
@@ -22,9 +24,10 @@ import numpy as np
 
 from logra_jax.optim.targets import SketchSpec
 from logra_jax.optim.lora import LORA_KEY
+from logra_jax.rl import sync_sparse
 from logra_jax.tree_paths import leaves_with_paths
 
-INDEX_BYTES = 4        # int32 flat index of a sparse entry; also the update index k
+INDEX_BYTES = 4        # int32 update index k
 SCALE_BYTES = 4        # fp32 weight_scale per target
 
 
@@ -69,7 +72,9 @@ def sync_bytes(params, sketch: SketchSpec | None, *, train_others: bool = True,
     """Bytes of each mode for ``params`` (arrays or ShapeDtypeStructs; only shapes are read).
 
     ``sparse_changed`` is the number of changed entries in one sync; when None it is
-    ``sparse_fraction`` of the trainable entries (a measured or assumed fraction).
+    ``sparse_fraction`` of the trainable entries (a measured or assumed fraction). Either is
+    spread over the trainable leaves in proportion to their sizes, each leaf then sent in its
+    cheapest encoding, padded as a real message pads it.
     """
     if not 0.0 <= sparse_fraction <= 1.0:
         raise ValueError(f"sparse_fraction must be in [0, 1], got {sparse_fraction}")
@@ -85,11 +90,13 @@ def sync_bytes(params, sketch: SketchSpec | None, *, train_others: bool = True,
     factors = None
     if targets:
         factors = target_factors + SCALE_BYTES * len(targets) + INDEX_BYTES + dense_rest
-    if sparse_changed is None:
-        sparse_changed = int(round(sparse_fraction * trainable_entries))
+    if sparse_changed is not None:
+        sparse_fraction = sparse_changed / max(trainable_entries, 1)
+    sparse = sum(sync_sparse.choose_encoding(round(sparse_fraction * entries[p]), entries[p],
+                                             itemsize)[1] for p in trainable)
     ratios = [info.rank / info.in_dim for info in targets.values()]
     return SyncBytes(weights=sum(entries.values()) * itemsize, full=trainable_entries * itemsize,
-                     factors=factors, sparse=sparse_changed * (INDEX_BYTES + itemsize),
+                     factors=factors, sparse=sparse,
                      trainable_entries=trainable_entries, target_weights=target_weights,
                      target_factors=target_factors,
                      max_rank_ratio=float(np.max(ratios)) if ratios else 0.0)
