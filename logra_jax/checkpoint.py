@@ -58,10 +58,16 @@ class Checkpointer:
         return list(self._manager.all_steps())
 
     def save(self, step: int, state: Any, meta: dict) -> None:
-        with _quiet():
-            self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                             meta=ocp.args.JsonSave(meta)))
-            self._manager.wait_until_finished()
+        """Writes checkpoint ``step``; a failed write (a full disk, a file size limit, a folder
+        made unwritable) is an OSError naming the folder, whatever orbax raised."""
+        try:
+            with _quiet():
+                self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                                 meta=ocp.args.JsonSave(meta)))
+                self._manager.wait_until_finished()
+        except Exception as e:  # orbax wraps the OSError of its writer threads in several kinds
+            reason = " ".join(str(e).split())[:300] or type(e).__name__
+            raise OSError(f"checkpoint {step} could not be written to {self.directory}: {reason}") from e
 
     def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
         """Restores onto the shapes, dtypes and shardings of ``abstract_state``.

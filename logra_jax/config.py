@@ -1,16 +1,21 @@
-"""Loading ml_collections config files and checking command-line overrides before absl sees them.
+"""Loading ml_collections config files, checking command-line overrides before absl sees them, and
+checking every value of a run's config before anything is built or written.
 
 absl's config flags report an unknown ``--config.a.b=v`` key as a bare ``AttributeError: 'b'``
 traceback; `check_overrides` turns that into one sentence naming the key and its siblings.
+`check_values` holds one rule per key of configs/base.py (`VALUE_RULES`): a value no run can use is
+one sentence naming the key as the user types it (``rl.micro_batch_size``), before the model is built.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import pathlib
+import re
 import sys
-from typing import Sequence
+from typing import Callable, Sequence
 
 import ml_collections
 
@@ -90,6 +95,188 @@ def check_overrides(config: ml_collections.ConfigDict, keys: Sequence[str]) -> N
                                  + (f"; did you mean {' or '.join(inside)}?" if inside else ""))
             node = node[part]
             walked.append(part)
+
+
+# ---------------------------------------------------------------------------------------------
+# One rule per key: a predicate and what it demands, phrased to follow "<key> must be ...".
+
+class Rule:
+    """``accepts(value)``: whether a run can use the value; ``demand`` completes "<key> must be"."""
+
+    def __init__(self, demand: str, accepts: Callable[[object], bool]):
+        self.demand, self.accepts = demand, accepts
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _integer(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+POSITIVE_INT = Rule("a positive integer", lambda v: _integer(v) and v > 0)
+NONNEGATIVE_INT = Rule("an integer ≥ 0", lambda v: _integer(v) and v >= 0)
+INTEGER = Rule("an integer", _integer)
+POSITIVE = Rule("a finite number > 0", lambda v: _number(v) and math.isfinite(v) and v > 0)
+NONNEGATIVE = Rule("a finite number ≥ 0", lambda v: _number(v) and math.isfinite(v) and v >= 0)
+FINITE = Rule("a finite number", lambda v: _number(v) and math.isfinite(v))
+# Thresholds where inf means "never" (no clipping, no correction): anything but NaN and negatives.
+NONNEGATIVE_OR_INF = Rule("a number ≥ 0 (inf: off)", lambda v: _number(v) and v >= 0)
+POSITIVE_OR_INF = Rule("a number > 0 (inf: off)", lambda v: _number(v) and v > 0)
+DECAY = Rule("in [0, 1)", lambda v: _number(v) and 0 <= v < 1)
+FRACTION = Rule("in (0, 1]", lambda v: _number(v) and 0 < v <= 1)
+AXIS_SIZE = Rule("a positive integer or -1 (the devices left)", lambda v: _integer(v) and (v > 0 or v == -1))
+BOOL = Rule("true or false", lambda v: isinstance(v, bool))
+TEXT = Rule("a string", lambda v: isinstance(v, str))
+NAME = Rule("a non-empty string", lambda v: isinstance(v, str) and bool(v.strip()))
+
+
+def _compiles(value) -> bool:
+    try:
+        re.compile(value)
+    except (re.error, TypeError):
+        return False
+    return isinstance(value, str)
+
+
+REGEX = Rule("a valid regular expression", _compiles)
+
+
+def one_of(*choices) -> Rule:
+    return Rule(f"one of {', '.join(map(repr, choices))}", lambda v: v in choices)
+
+
+def optional(rule: Rule) -> Rule:
+    """None (the library's default) or what ``rule`` accepts."""
+    return Rule(f"None or {rule.demand}", lambda v: v is None or rule.accepts(v))
+
+
+# Choices the library defines; tests/test_bad_input.py checks each against the library's constant
+# (this module sits below the library and imports none of it).
+ALGORITHMS = ("grpo", "reinforce")
+KL_ESTIMATORS = ("k1", "k2", "k3")                          # rl.losses.KL_ESTIMATORS
+LOSS_AGG_MODES = ("token-mean", "sequence-mean")            # rl.losses.LOSS_AGG_MODES
+ADVANTAGE_BASELINES = ("mean", "leave_one_out")             # rl.losses.ADVANTAGE_BASELINES
+DECODE_WEIGHTS = ("auto", "per_layer", "stacked")           # rl.sampler.Sampler.DECODE_WEIGHTS
+OPTIMIZERS = ("logra", "adamw", "adafactor", "galore", "lora")   # rl.build.OPTIMIZERS
+SYNC_MODES = ("off", "full", "factors", "sparse")           # "off" + rl.sync.MODES
+SYNC_DTYPES = ("bfloat16", "float32")
+MODEL_DTYPES = ("float32", "bfloat16")                      # models.config.DTYPES
+DISTRIBUTIONS = ("rademacher", "gaussian", "rademacher_threefry")   # projections.DISTRIBUTIONS
+ROUNDINGS = ("nearest", "stochastic")                       # optim.rounding.ROUNDINGS
+DATA_SOURCES = ("task", "gsm8k")
+
+_ADAM = {"b1": DECAY, "b2": DECAY, "eps": POSITIVE, "weight_decay": NONNEGATIVE,
+         "max_grad_norm": NONNEGATIVE_OR_INF}   # max_grad_norm 0 or inf: no clipping
+
+# Every key of configs/base.py that holds a value (tests/test_bad_input.py checks that none is
+# missing). The ``distributed`` section is checked as a whole by logra_jax.distributed.validate,
+# and rules that span keys (a group of ≥ 2 for GRPO, batch splits) by rl.build.validate.
+VALUE_RULES: dict[str, Rule] = {
+    "seed": INTEGER, "max_steps": POSITIVE_INT,
+    "model.source": NAME, "model.dtype": one_of(*MODEL_DTYPES),
+    "model.param_dtype": one_of(*MODEL_DTYPES), "model.remat": BOOL, "model.init_seed": INTEGER,
+    **{f"model.tiny.{k}": POSITIVE_INT for k in ("hidden_size", "num_layers", "num_heads",
+                                                  "num_kv_heads", "head_dim", "intermediate_size",
+                                                  "max_position_embeddings")},
+    "model.tiny.rope_theta": POSITIVE, "model.tiny.rms_norm_eps": POSITIVE,
+    "model.tiny.qkv_bias": BOOL, "model.tiny.tie_embeddings": BOOL,
+    "mesh.fsdp": AXIS_SIZE, "mesh.tensor": AXIS_SIZE,
+    "data.source": one_of(*DATA_SOURCES), "data.task": NAME, "data.task_seed": INTEGER,
+    "data.size": POSITIVE_INT, "data.gsm8k_dir": TEXT, "data.gsm8k_cache_dir": TEXT,
+    "data.split": NAME, "data.system_prompt": TEXT, "data.instruction": TEXT,
+    "data.prompts_per_step": POSITIVE_INT, "data.shuffle": BOOL, "data.skip_long_prompts": BOOL,
+    "rl.algorithm": one_of(*ALGORITHMS), "rl.num_generations": POSITIVE_INT,
+    "rl.temperature": POSITIVE, "rl.top_p": FRACTION, "rl.top_k": NONNEGATIVE_INT,
+    "rl.max_prompt_length": POSITIVE_INT, "rl.max_completion_length": POSITIVE_INT,
+    "rl.beta": NONNEGATIVE, "rl.kl_estimator": one_of(*KL_ESTIMATORS),
+    "rl.epsilon": POSITIVE, "rl.epsilon_high": NONNEGATIVE,
+    "rl.loss_agg_mode": one_of(*LOSS_AGG_MODES), "rl.scale_rewards": BOOL,
+    "rl.advantage_baseline": one_of(*ADVANTAGE_BASELINES), "rl.micro_batch_size": POSITIVE_INT,
+    "rl.failure_reward": FINITE, "rl.baseline_momentum": DECAY, "rl.is_cap": POSITIVE_OR_INF,
+    "rl.format_reward_weight": FINITE, "rl.decode_weights": one_of(*DECODE_WEIGHTS),
+    "optimizer.name": one_of(*OPTIMIZERS), "optimizer.warmup_steps": NONNEGATIVE_INT,
+    "optimizer.probe_size": POSITIVE_INT, "optimizer.max_consecutive_skips": POSITIVE_INT,
+    "optimizer.max_weight_norm_growth": Rule("a number > 1 (a multiple of the initial weight norm)",
+                                             lambda v: _number(v) and v > 1),
+    "optimizer.logra.variant": one_of("grpo", "kl"),
+    "optimizer.logra.learning_rate": NONNEGATIVE, "optimizer.logra.weight_decay": NONNEGATIVE,
+    "optimizer.logra.max_grad_norm": optional(NONNEGATIVE_OR_INF),
+    "optimizer.logra.targets": REGEX, "optimizer.logra.rank": POSITIVE_INT,
+    "optimizer.logra.b2": DECAY, "optimizer.logra.eps": POSITIVE, "optimizer.logra.seed": INTEGER,
+    "optimizer.logra.refresh": BOOL, "optimizer.logra.distribution": one_of(*DISTRIBUTIONS),
+    "optimizer.logra.others": optional(one_of("adamw", "frozen")),
+    "optimizer.logra.others_learning_rate": NONNEGATIVE,
+    "optimizer.logra.others_weight_decay": NONNEGATIVE,
+    "optimizer.logra.others_warmup_steps": NONNEGATIVE_INT,
+    "optimizer.logra.kl_control": optional(BOOL),
+    "optimizer.logra.kl_budget": POSITIVE, "optimizer.logra.kl_budget_final": POSITIVE,
+    "optimizer.logra.kl_budget_horizon": POSITIVE_INT, "optimizer.logra.alpha_max": POSITIVE,
+    "optimizer.logra.mismatch_weight": Rule("in [0, 1]", lambda v: _number(v) and 0 <= v <= 1),
+    "optimizer.logra.kl_safeguard": POSITIVE_OR_INF,
+    "optimizer.logra.kl_correction": NONNEGATIVE_OR_INF,   # inf and 0: the reference's controller
+    "optimizer.logra.update_ratio": POSITIVE,
+    "optimizer.logra.factor_dtype": optional(one_of("float32", "bfloat16")),
+    "optimizer.logra.merge_rounding": one_of(*ROUNDINGS),
+    "optimizer.logra.exact_merge": optional(BOOL),
+    **{f"optimizer.adamw.{k}": r for k, r in dict(_ADAM, learning_rate=NONNEGATIVE).items()},
+    "optimizer.adafactor.learning_rate": NONNEGATIVE, "optimizer.adafactor.decay_rate": FRACTION,
+    "optimizer.adafactor.min_dim_size_to_factor": POSITIVE_INT,
+    "optimizer.adafactor.clipping_threshold": optional(POSITIVE_OR_INF),
+    "optimizer.adafactor.multiply_by_parameter_scale": BOOL,
+    "optimizer.adafactor.momentum": optional(DECAY),
+    "optimizer.adafactor.weight_decay_rate": optional(NONNEGATIVE),
+    "optimizer.adafactor.max_grad_norm": NONNEGATIVE_OR_INF,
+    **{f"optimizer.lora.{k}": r for k, r in dict(_ADAM, learning_rate=NONNEGATIVE, rank=POSITIVE_INT,
+                                                alpha=POSITIVE, targets=REGEX,
+                                                init_seed=INTEGER).items()},
+    **{f"optimizer.galore.{k}": r for k, r in dict(_ADAM, learning_rate=NONNEGATIVE, rank=POSITIVE_INT,
+                                                  update_proj_gap=POSITIVE_INT, scale=POSITIVE,
+                                                  targets=REGEX).items()},
+    "sync.mode": one_of(*SYNC_MODES), "sync.rollout_devices": NONNEGATIVE_INT,
+    "sync.rollout_mesh.fsdp": AXIS_SIZE, "sync.rollout_mesh.tensor": AXIS_SIZE,
+    "sync.master_copy": BOOL, "sync.dtype": one_of(*SYNC_DTYPES),
+    "checkpoint.every": POSITIVE_INT, "checkpoint.keep": POSITIVE_INT,
+    "log.tensorboard": BOOL, "log.progress": BOOL, "log.sample_every": NONNEGATIVE_INT,
+}
+# Sections whose values another module checks as a whole, or that hold free-form keyword arguments.
+CHECKED_ELSEWHERE = ("distributed.", "data.task_kwargs.")
+
+# Options only one algorithm reads (rl/update.py, rl/losses.py, rl/build.py): set to anything but
+# configs/base.py's default under the other algorithm, they change nothing, and `ignored_options`
+# names them (launch.train warns once). Their values are still checked above under either.
+ALGORITHM_OPTIONS = {
+    "grpo": ("rl.epsilon", "rl.epsilon_high", "rl.beta", "rl.kl_estimator", "rl.scale_rewards",
+             "rl.advantage_baseline"),
+    "reinforce": ("rl.failure_reward", "rl.baseline_momentum", "rl.is_cap"),
+}
+
+
+def _get(config: ml_collections.ConfigDict, dotted: str):
+    node = config
+    for part in dotted.split("."):
+        node = node[part]
+    return node
+
+
+def check_values(config: ml_collections.ConfigDict) -> None:
+    """Raises ValueError naming the first key whose value no run can use (`VALUE_RULES`).
+
+    Needs nothing but the config: no jax, no files, so a bad value is refused in a moment."""
+    flat = flatten(config.to_dict())
+    for key, rule in VALUE_RULES.items():
+        if key in flat and not rule.accepts(flat[key]):
+            raise ValueError(f"{key} must be {rule.demand}, got {flat[key]!r}")
+
+
+def ignored_options(config: ml_collections.ConfigDict,
+                    defaults: ml_collections.ConfigDict) -> list[str]:
+    """The options of the algorithm ``config`` does not run that differ from ``defaults``
+    (configs/base.py's): values the run would silently ignore."""
+    ignored = [key for algorithm, keys in ALGORITHM_OPTIONS.items()
+               if algorithm != config.rl.algorithm for key in keys]
+    return [key for key in ignored if _get(config, key) != _get(defaults, key)]
 
 
 # Keys a resumed run may change: they do not change what the saved state means. The process layout

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import pathlib
 from typing import Mapping
 
@@ -31,25 +32,42 @@ def to_python(metrics: Mapping[str, object]) -> dict[str, float | int | str]:
 
 def read_jsonl(path: str | pathlib.Path) -> list[dict]:
     """The rows of a metrics file. A last line cut short (the run was killed mid-write) is
-    dropped; a malformed line before it is an error naming the file and line."""
-    with open(path) as f:
-        lines = [(i, line) for i, line in enumerate(f, 1) if line.strip()]
+    dropped; a malformed line before it, or bytes that are not UTF-8, is an error naming the file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = [(i, line) for i, line in enumerate(f, 1) if line.strip()]
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not a UTF-8 metrics file (byte {e.start}: {e.reason})") from None
     rows = []
     for n, (i, line) in enumerate(lines):
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except json.JSONDecodeError as e:
             if n == len(lines) - 1 and not line.endswith("\n"):
                 break
             raise ValueError(f"{path}:{i}: not a JSON metrics row ({e.msg})") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}:{i}: not a JSON metrics row (a {type(row).__name__}, not an "
+                             f"object)")
+        rows.append(row)
     return rows
+
+
+def rows_before(rows: list[dict], step: int) -> list[dict]:
+    """The rows of steps 1..``step``, each step once (the last row written for it: a run that
+    resumed from an earlier checkpoint wrote it again), in step order."""
+    by_step = {row["step"]: row for row in rows if isinstance(row.get("step"), int)
+               and row["step"] <= step}
+    return [by_step[s] for s in sorted(by_step)]
 
 
 class MetricsWriter:
     """Appends metrics to ``workdir/metrics.jsonl`` and TensorBoard; shows a progress bar.
 
-    Appending (not truncating) keeps the history of a resumed run in one file; rows from steps
-    after the checkpoint a run resumes from are dropped first, so every step appears once.
+    Appending (not truncating) keeps the history of a resumed run in one file. A run that resumes
+    from an earlier step than the file has reached writes those steps again: the file is first
+    replaced (atomically: a new file renamed over it) by its rows up to the resumed step, so every
+    step appears once.
     """
 
     def __init__(self, workdir: str | pathlib.Path, *, total_steps: int, start_step: int = 0,
@@ -63,9 +81,13 @@ class MetricsWriter:
             return
         self.workdir.mkdir(parents=True, exist_ok=True)
         if self.path.exists():
-            kept = [row for row in read_jsonl(self.path) if row.get("step", 0) <= start_step]
-            self.path.write_text("".join(json.dumps(row) + "\n" for row in kept))
-        self._file = open(self.path, "a")
+            kept = "".join(json.dumps(row) + "\n" for row in rows_before(read_jsonl(self.path),
+                                                                          start_step))
+            if kept.encode() != self.path.read_bytes():   # rows to drop, or a line cut short
+                tmp = self.path.with_name(f".{self.path.name}.tmp")
+                tmp.write_text(kept, encoding="utf-8")
+                os.replace(tmp, self.path)
+        self._file = open(self.path, "a", encoding="utf-8")
         if tensorboard:
             from tensorboardX import SummaryWriter  # heavy import, only when asked for
             self._tb = SummaryWriter(str(self.workdir / "tensorboard"))

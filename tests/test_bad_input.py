@@ -15,8 +15,10 @@ import sys
 
 import pytest
 
-from configs import tiny
+from configs import base, tiny
 from launch import train as train_cli
+from logra_jax import config as config_lib
+from logra_jax.rl import build
 from tiny_config import tiny_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -37,46 +39,72 @@ def trained(trained_tiny_run):
     return trained_tiny_run.workdir
 
 
-def _gsm8k_dir(tmp_path: pathlib.Path, train_lines: list[str]) -> str:
+def _gsm8k_dir(tmp_path: pathlib.Path, train_lines: list[str | bytes]) -> str:
     folder = tmp_path / "gsm8k"
     folder.mkdir()
-    (folder / "train.jsonl").write_text("".join(line + "\n" for line in train_lines))
+    (folder / "train.jsonl").write_bytes(b"".join(
+        (line if isinstance(line, bytes) else line.encode()) + b"\n" for line in train_lines))
     (folder / "test.jsonl").write_text(json.dumps(GOOD_GSM8K) + "\n")
     return str(folder)
 
 
-# (row id, overrides of configs/tiny.py — a callable gets tmp_path —, what the line must say)
+# (row id, overrides of configs/tiny.py — a callable gets tmp_path —, what the line must say).
+# Every row here is refused before the model is built (`test_bad_config_is_one_line_and_loses_nothing`
+# makes building it a failure): the value alone, or with the rest of the config and the workdir.
 ROWS = [
-    ("max_steps", dict(max_steps=0), "max_steps must be positive, got 0"),
-    ("temperature-zero", dict(rl=dict(temperature=0.0)), "rl.temperature must be > 0, got 0.0"),
-    ("temperature-negative", dict(rl=dict(temperature=-1.0)), "rl.temperature must be > 0, got -1.0"),
-    ("top-p", dict(rl=dict(top_p=1.5)), "rl.top_p must be in (0, 1]"),
-    ("top-k", dict(rl=dict(top_k=-1)), "rl.top_k ≥ 0"),
-    ("algorithm", dict(rl=dict(algorithm="ppo")), "rl.algorithm must be 'grpo' or 'reinforce'"),
+    ("max_steps", dict(max_steps=0), "max_steps must be a positive integer, got 0"),
+    ("temperature-zero", dict(rl=dict(temperature=0.0)), "rl.temperature must be a finite number > 0, got 0.0"),
+    ("temperature-negative", dict(rl=dict(temperature=-1.0)), "rl.temperature must be a finite number > 0, got -1.0"),
+    ("top-p", dict(rl=dict(top_p=1.5)), "rl.top_p must be in (0, 1], got 1.5"),
+    ("top-k", dict(rl=dict(top_k=-1)), "rl.top_k must be an integer ≥ 0, got -1"),
+    ("algorithm", dict(rl=dict(algorithm="ppo")), "rl.algorithm must be one of 'grpo', 'reinforce', got 'ppo'"),
     ("grpo-group-of-one", dict(rl=dict(algorithm="grpo", num_generations=1)), "num_generations=1"),
     ("micro-batch", dict(rl=dict(micro_batch_size=3)), "not a multiple of rl.micro_batch_size=3"),
-    ("advantage-baseline", dict(rl=dict(advantage_baseline="median")), "rl.advantage_baseline"),
-    ("completion-length", dict(rl=dict(max_completion_length=0)), "must be positive, got 64 and 0"),
-    ("prompts-too-long", dict(rl=dict(max_prompt_length=8)),
-     "longer than rl.max_prompt_length=8 tokens (the longest has 46): none is left"),
-    ("prompts-too-long-no-skip", dict(rl=dict(max_prompt_length=8), data=dict(skip_long_prompts=False)),
-     "raise rl.max_prompt_length to 46, or set data.skip_long_prompts=True"),
-    ("optimizer-name", dict(optimizer=dict(name="sgd")), "optimizer.name must be one of ('logra', 'adamw', 'adafactor', 'galore', 'lora')"),
+    ("micro-batch-zero", dict(rl=dict(micro_batch_size=0)), "rl.micro_batch_size must be a positive integer, got 0"),
+    ("num-generations-zero", dict(rl=dict(num_generations=0)), "rl.num_generations must be a positive integer, got 0"),
+    ("prompts-per-step-zero", dict(data=dict(prompts_per_step=0)), "data.prompts_per_step must be a positive integer"),
+    ("advantage-baseline", dict(rl=dict(advantage_baseline="median")), "rl.advantage_baseline must be one of 'mean', 'leave_one_out'"),
+    ("completion-length", dict(rl=dict(max_completion_length=0)), "rl.max_completion_length must be a positive integer, got 0"),
+    ("format-reward-nan", dict(rl=dict(format_reward_weight=float("nan"))), "rl.format_reward_weight must be a finite number, got nan"),
+    # Options only GRPO reads are checked under REINFORCE too (tiny.py's algorithm), and vice versa.
+    ("beta-negative-reinforce", dict(rl=dict(beta=-1.0)), "rl.beta must be a finite number ≥ 0, got -1.0"),
+    ("beta-negative-grpo", dict(rl=dict(algorithm="grpo", beta=-1.0)), "rl.beta must be a finite number ≥ 0, got -1.0"),
+    ("epsilon-negative-reinforce", dict(rl=dict(epsilon=-0.2)), "rl.epsilon must be a finite number > 0, got -0.2"),
+    ("kl-estimator-reinforce", dict(rl=dict(kl_estimator="bogus")), "rl.kl_estimator must be one of 'k1', 'k2', 'k3', got 'bogus'"),
+    ("is-cap-grpo", dict(rl=dict(algorithm="grpo", is_cap=float("nan"))), "rl.is_cap must be a number > 0 (inf: off), got nan"),
+    ("decode-weights", dict(rl=dict(decode_weights="rows")), "rl.decode_weights must be one of 'auto', 'per_layer', 'stacked'"),
+    ("checkpoint-every-zero", dict(checkpoint=dict(every=0)), "checkpoint.every must be a positive integer, got 0"),
+    ("checkpoint-every-negative", dict(checkpoint=dict(every=-1)), "checkpoint.every must be a positive integer, got -1"),
+    ("checkpoint-keep-zero", dict(checkpoint=dict(keep=0)), "checkpoint.keep must be a positive integer, got 0"),
+    ("sample-every-negative", dict(log=dict(sample_every=-1)), "log.sample_every must be an integer ≥ 0, got -1"),
+    ("model-dtype", dict(model=dict(dtype="float64")), "model.dtype must be one of 'float32', 'bfloat16', got 'float64'"),
+    ("tiny-width-zero", dict(model=dict(tiny=dict(hidden_size=0))), "model.tiny.hidden_size must be a positive integer, got 0"),
+    ("mesh-axis-zero", dict(mesh=dict(fsdp=0)), "mesh.fsdp must be a positive integer or -1 (the devices left), got 0"),
+    ("optimizer-name", dict(optimizer=dict(name="sgd")), "optimizer.name must be one of 'logra', 'adamw', 'adafactor', 'galore', 'lora', got 'sgd'"),
     ("lr-nan", dict(optimizer=dict(logra=dict(learning_rate=float("nan")))),
      "optimizer.logra.learning_rate must be a finite number ≥ 0, got nan"),
     ("adamw-lr-inf", dict(optimizer=dict(name="adamw", adamw=dict(learning_rate=float("inf")))),
      "optimizer.adamw.learning_rate must be a finite number ≥ 0, got inf"),
+    ("adamw-b2-one", dict(optimizer=dict(adamw=dict(b2=1.0))), "optimizer.adamw.b2 must be in [0, 1), got 1.0"),
     ("others-lr-negative", dict(optimizer=dict(logra=dict(others_learning_rate=-1.0))),
      "optimizer.logra.others_learning_rate must be a finite number ≥ 0, got -1.0"),
-    ("warmup", dict(optimizer=dict(warmup_steps=-2)), "optimizer.warmup_steps must be ≥ 0"),
-    ("skips", dict(optimizer=dict(max_consecutive_skips=0)), "optimizer.max_consecutive_skips"),
+    ("warmup", dict(optimizer=dict(warmup_steps=-2)), "optimizer.warmup_steps must be an integer ≥ 0, got -2"),
+    ("skips", dict(optimizer=dict(max_consecutive_skips=0)), "optimizer.max_consecutive_skips must be a positive integer"),
     ("weight-growth", dict(optimizer=dict(max_weight_norm_growth=1.0)),
-     "optimizer.max_weight_norm_growth must be > 1"),
-    ("rank", dict(optimizer=dict(logra=dict(rank=0))), "rank must be a positive Python int"),
-    ("variant", dict(optimizer=dict(logra=dict(variant="adam"))), "variant must be 'grpo' or 'kl'"),
+     "optimizer.max_weight_norm_growth must be a number > 1"),
+    ("rank", dict(optimizer=dict(logra=dict(rank=0))), "optimizer.logra.rank must be a positive integer, got 0"),
+    ("variant", dict(optimizer=dict(logra=dict(variant="adam"))), "optimizer.logra.variant must be one of 'grpo', 'kl', got 'adam'"),
     ("kl-budget", dict(optimizer=dict(logra=dict(kl_control=True, kl_budget=0.0))),
-     "kl_budget must be positive"),
-    ("targets", dict(optimizer=dict(logra=dict(targets="no_such_layer"))), "no_such_layer"),
+     "optimizer.logra.kl_budget must be a finite number > 0, got 0.0"),
+    ("targets-not-a-regex", dict(optimizer=dict(lora=dict(targets="(q_proj"))),
+     "optimizer.lora.targets must be a valid regular expression, got '(q_proj'"),
+    # Checked on the model's abstract shapes (from model.tiny), before its weights exist.
+    ("targets", dict(optimizer=dict(logra=dict(targets="no_such_layer"))),
+     "optimizer.logra on this model: targets pattern 'no_such_layer' matched no parameter"),
+    ("rank-not-below-width", dict(optimizer=dict(logra=dict(rank=64))),
+     "its sketch shape (2, 64, 64) equals its kernel shape, so a gradient leaf cannot tell dense from sketched; lower rank below 64"),
+    ("lora-targets", dict(optimizer=dict(name="lora", lora=dict(targets="no_such_layer"))),
+     "optimizer.lora on this model: LoRA targets 'no_such_layer' match no parameter"),
     ("mesh-indivisible", dict(mesh=dict(fsdp=3)), "but there are 8 devices"),
     ("mesh-too-big", dict(mesh=dict(fsdp=4, tensor=4)), "but there are 8 devices"),
     ("sync-mode", dict(sync=dict(mode="bogus")), "sync.mode must be one of"),
@@ -86,7 +114,7 @@ ROWS = [
     ("factors-replayed-inexact", dict(sync=dict(mode="factors", rollout_devices=4),
                                       optimizer=dict(logra=dict(exact_merge=False))),
      "needs optimizer.logra.exact_merge=True"),
-    ("data-source", dict(data=dict(source="csv")), "data.source must be 'task' or 'gsm8k'"),
+    ("data-source", dict(data=dict(source="csv")), "data.source must be one of 'task', 'gsm8k', got 'csv'"),
     ("task", dict(data=dict(task="no_such_task")), "no_such_task"),
     ("gsm8k-no-dir", dict(data=dict(source="gsm8k")), "needs data.gsm8k_dir"),
     ("gsm8k-missing-dir", dict(data=dict(source="gsm8k", gsm8k_dir="/no/such/dir")),
@@ -97,19 +125,56 @@ ROWS = [
      lambda tmp: dict(data=dict(source="gsm8k", gsm8k_dir=_gsm8k_dir(
          tmp, [json.dumps(GOOD_GSM8K), '{"question": "2+2?", "answer": "4'])),
          gsm8k_cache_dir=str(tmp / "cache")), "train.jsonl:2: not valid JSON"),
+    ("gsm8k-not-utf8",
+     lambda tmp: dict(data=dict(source="gsm8k", gsm8k_dir=_gsm8k_dir(
+         tmp, [json.dumps(GOOD_GSM8K), b'{"question": "2\xff", "answer": "#### 4"}'])),
+         gsm8k_cache_dir=str(tmp / "cache")), "train.jsonl:2: not UTF-8 text (invalid start byte"),
+    ("resume-other-rank", dict(optimizer=dict(logra=dict(rank=4))),
+     "holds a run with another config: optimizer.logra.rank changed"),
+]
+# What only the model (or its tokenizer) can tell: these rows build it, in a new workdir (each
+# changes a key that the resume check of the trained workdir would refuse first).
+MODEL_ROWS = [
+    ("prompts-too-long", dict(rl=dict(max_prompt_length=8)),
+     "longer than rl.max_prompt_length=8 tokens (the longest has 46): none is left"),
+    ("prompts-too-long-no-skip", dict(rl=dict(max_prompt_length=8), data=dict(skip_long_prompts=False)),
+     "raise rl.max_prompt_length to 46, or set data.skip_long_prompts=True"),
     ("model-missing-path", dict(model=dict(source="/no/such/model")),
      "model source '/no/such/model' does not exist"),
     ("model-unknown-name", dict(model=dict(source="gpt-17")), "unknown model source 'gpt-17'"),
     ("model-shape-only", dict(model=dict(source="shape:qwen2_5_7b")), "a model shape without weights"),
-    ("resume-other-rank", dict(optimizer=dict(logra=dict(rank=4))),
-     "holds a run with another config: optimizer.logra.rank changed"),
+    ("model-config-lacks-a-field",
+     lambda tmp: dict(model=dict(source=_file(tmp / "m" / "config.json", b'{"model_type": "llama"}'))),
+     "cannot be read: the field 'num_attention_heads' is missing from its config"),
+    ("model-config-not-json", lambda tmp: dict(model=dict(source=_file(tmp / "m" / "config.json", b"{"))),
+     "cannot be read: Expecting property name enclosed in double quotes"),
+    ("gguf-empty", lambda tmp: dict(model=dict(source=_file(tmp / "m.gguf", b""))),
+     "cannot be read: cannot mmap an empty file"),
+    ("gguf-not-gguf", lambda tmp: dict(model=dict(source=_file(tmp / "m.gguf", b"not a gguf file"))),
+     "cannot be read: GGUF magic invalid"),
 ]
 
 
-@pytest.mark.parametrize("overrides, message", [r[1:] for r in ROWS], ids=[r[0] for r in ROWS])
-def test_bad_config_is_one_line_and_loses_nothing(overrides, message, trained, tmp_path):
+def _file(path: pathlib.Path, data: bytes) -> str:
+    """Writes ``data`` to ``path``; returns what model.source names: the file, or a config.json's
+    folder."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    return str(path.parent if path.name == "config.json" else path)
+
+
+# Rows found after the workdir's resume check (which would refuse their key first): a new workdir.
+NEW_WORKDIR = {"mesh-indivisible", "mesh-too-big"}
+
+
+def _refuses_on_a_copy(trained, tmp_path, overrides, message, new_workdir=False):
+    """launch.train's `run` on a copy of the trained workdir (or a new one): one `error:` line
+    holding ``message``, and the workdir exactly as it was."""
     workdir = tmp_path / "workdir"
-    shutil.copytree(trained, workdir)
+    if new_workdir:
+        workdir.mkdir()
+    else:
+        shutil.copytree(trained, workdir)
     before = _snapshot(workdir)
     config = tiny_config(dict(max_steps=4), overrides(tmp_path) if callable(overrides) else overrides)
     with pytest.raises(SystemExit) as exit_:
@@ -119,6 +184,69 @@ def test_bad_config_is_one_line_and_loses_nothing(overrides, message, trained, t
     assert line.startswith("error: ") and "\n" not in line, line
     assert message in line, line
     assert _snapshot(workdir) == before
+
+
+@pytest.mark.parametrize("overrides, message", [r[1:] for r in ROWS], ids=[r[0] for r in ROWS])
+def test_bad_config_is_one_line_and_loses_nothing(overrides, message, trained, tmp_path, monkeypatch,
+                                                  request):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was built before the bad value was refused")
+    monkeypatch.setattr(build, "build_model", refuse)
+    _refuses_on_a_copy(trained, tmp_path, overrides, message,
+                       new_workdir=request.node.callspec.id in NEW_WORKDIR)
+
+
+@pytest.mark.parametrize("overrides, message", [r[1:] for r in MODEL_ROWS],
+                         ids=[r[0] for r in MODEL_ROWS])
+def test_bad_input_found_with_the_model_is_one_line_and_loses_nothing(overrides, message, trained,
+                                                                      tmp_path):
+    _refuses_on_a_copy(trained, tmp_path, overrides, message, new_workdir=True)
+
+
+def test_every_key_of_the_base_config_has_a_rule():
+    """A key added to configs/base.py without a rule here would go unchecked until it broke a run."""
+    keys = config_lib.flatten(base.get_config().to_dict())
+    missing = [k for k in keys if k not in config_lib.VALUE_RULES
+               and not k.startswith(config_lib.CHECKED_ELSEWHERE)]
+    assert not missing, f"configs/base.py keys without a rule in logra_jax/config.py: {missing}"
+    assert not set(config_lib.VALUE_RULES) - set(keys), "rules for keys configs/base.py lacks"
+    for path in sorted((ROOT / "configs").glob("*.py")):   # every shipped config passes them
+        if path.name != "__init__.py":
+            config_lib.check_values(config_lib.load_config_file(path))
+
+
+def test_the_rules_choices_are_the_librarys():
+    """logra_jax/config.py sits below the library and spells its choices out; they must agree."""
+    from logra_jax.models.config import DTYPES
+    from logra_jax.optim.rounding import ROUNDINGS
+    from logra_jax.projections import DISTRIBUTIONS
+    from logra_jax.rl import losses, sync
+    from logra_jax.rl.sampler import Sampler
+    assert config_lib.KL_ESTIMATORS == losses.KL_ESTIMATORS
+    assert config_lib.LOSS_AGG_MODES == losses.LOSS_AGG_MODES
+    assert config_lib.ADVANTAGE_BASELINES == losses.ADVANTAGE_BASELINES
+    assert config_lib.DECODE_WEIGHTS == Sampler.DECODE_WEIGHTS
+    assert config_lib.OPTIMIZERS == build.OPTIMIZERS
+    assert config_lib.SYNC_MODES == ("off",) + sync.MODES
+    assert set(config_lib.MODEL_DTYPES) == set(DTYPES)
+    assert config_lib.DISTRIBUTIONS == DISTRIBUTIONS
+    assert set(config_lib.ROUNDINGS) == set(ROUNDINGS)
+
+
+@pytest.mark.parametrize("overrides, ignored", [
+    (dict(), []),                                                    # tiny.py: REINFORCE, defaults
+    (dict(rl=dict(beta=0.04, kl_estimator="k1")), ["rl.beta", "rl.kl_estimator"]),
+    (dict(rl=dict(algorithm="grpo", num_generations=2, failure_reward=-1.0)), ["rl.failure_reward"]),
+    (dict(rl=dict(algorithm="grpo", beta=0.04)), []),
+])
+def test_options_the_algorithm_ignores_are_named(overrides, ignored, capsys):
+    config = tiny_config(overrides)
+    assert config_lib.ignored_options(config, base.get_config()) == ignored
+    train_cli.warn_ignored_options(config)
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split()[1] for line in lines] == ignored
+    assert all(line.startswith("warning: ") and "is not used by rl.algorithm=" in line
+               for line in lines)
 
 
 def test_a_workdir_that_is_a_file_is_one_line(tmp_path):

@@ -1,6 +1,7 @@
 """The RL loop end to end on the tiny config: LoGRA (both variants) and AdamW, resume, bad input."""
 
 import gc
+import json
 
 import jax
 import jax.numpy as jnp
@@ -168,6 +169,24 @@ def test_resume_refuses_a_config_that_changes_the_state(trainers, tmp_path):
         trainer_lib.Run(config, tmp_path, trainer=trainers[RESUME]).loop()
 
 
+def test_a_refused_resume_leaves_the_workdir_resumable(trainers, tmp_path):
+    """With config.json gone, a resume with another optimizer is refused by the restore itself;
+    the refused config must not take config.json's place, or the right resume would be refused
+    next."""
+    _run(trainers, tmp_path, max_steps=1)
+    (tmp_path / "config.json").unlink()
+    adamw = trainer_lib.Run(make_config("adamw", max_steps=2), tmp_path, trainer=trainers["adamw"])
+    try:
+        with pytest.raises(ValueError, match="no checkpoint in .* can be restored"):
+            adamw.loop()
+    finally:
+        adamw.close()
+    assert not (tmp_path / "config.json").exists()
+    _run(trainers, tmp_path, max_steps=2)
+    assert [r["step"] for r in metrics.read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2]
+    assert json.loads((tmp_path / "config.json").read_text())["max_steps"] == 2
+
+
 def test_max_steps_already_reached_trains_nothing(trainers, tmp_path):
     _run(trainers, tmp_path, max_steps=2)
     rows = metrics.read_jsonl(tmp_path / "metrics.jsonl")
@@ -178,10 +197,13 @@ def test_max_steps_already_reached_trains_nothing(trainers, tmp_path):
 
 
 def test_reference_is_kept_only_for_a_kl_penalty_and_in_the_compute_dtype(trainers):
-    """beta = 0: no reference on the devices. beta > 0 at bf16 compute: a bf16 reference (half the
-    bytes of the fp32 master weights) whose log-probs equal the initial policy's exactly."""
+    """beta = 0, or REINFORCE (no KL term: it ignores beta): no reference on the devices. GRPO
+    with beta > 0 at bf16 compute: a bf16 reference (half the bytes of the fp32 master weights)
+    whose log-probs equal the initial policy's exactly."""
     assert trainers["adamw"].config.rl.beta == 0 and trainers["adamw"].reference_params is None
-    t = trainer_lib.Trainer(make_config("adamw", model=dict(dtype="bfloat16"), rl=dict(beta=0.05)))
+    assert trainer_lib.Trainer(make_config("adamw", rl=dict(beta=0.05))).reference_params is None
+    t = trainer_lib.Trainer(make_config("adamw", model=dict(dtype="bfloat16"),
+                                        rl=dict(algorithm="grpo", beta=0.05)))
     params, _ = t.init_state()
     assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(jnp.float32)}
     assert {x.dtype for x in jax.tree.leaves(t.reference_params)} == {jnp.dtype(jnp.bfloat16)}

@@ -49,9 +49,15 @@ def parse_gsm8k_line(line: str, path: str | pathlib.Path, line_number: int) -> E
 
 
 def read_gsm8k_jsonl(path: str | pathlib.Path):
-    """Yield (line_number, Example) for every non-blank line of a GSM8K JSONL file."""
-    with open(path, encoding="utf-8") as f:
-        for line_number, line in enumerate(f, start=1):
+    """Yield (line_number, Example) for every non-blank line of a GSM8K JSONL file; a line that
+    is not UTF-8 raises ValueError naming ``path:line``."""
+    with open(path, "rb") as f:
+        for line_number, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise ValueError(f"{path}:{line_number}: not UTF-8 text ({err.reason} at byte "
+                                 f"{err.start})") from None
             if line.strip():
                 yield line_number, parse_gsm8k_line(line, path, line_number)
 
@@ -136,7 +142,7 @@ def load_gsm8k(data_dir: str | pathlib.Path, split: str, *,
         raise FileNotFoundError(f"GSM8K split file {data_dir / (split + '.jsonl')} not found; "
                                 f"available splits there: {sorted(files) or 'none'}")
     for name, file in files.items():  # tfds would fail on an empty split with a bare assertion
-        with open(file, encoding="utf-8") as f:
+        with open(file, "rb") as f:   # bytes: a line that is not UTF-8 is named when it is read
             if not any(line.strip() for line in f):
                 raise ValueError(f"GSM8K split file {file} holds no examples (it is empty); every "
                                  f"<split>.jsonl in {data_dir} needs at least one line")

@@ -29,6 +29,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from logra_jax import config as config_lib
 from logra_jax import model_shapes
 from logra_jax import sharding as sharding_lib
 from logra_jax.data import PromptIterator, load_gsm8k, make_task_source
@@ -37,54 +38,22 @@ from logra_jax.optim import SketchSpec, logra, variant_defaults, warmup_constant
 from logra_jax.optim.baselines import adafactor_baseline, adamw_baseline, galore_baseline
 from logra_jax.optim.lora import LORA_KEY, init_adapters, kernel_path
 from logra_jax.tree_paths import leaves_with_paths
-from logra_jax.rl.losses import ADVANTAGE_BASELINES, Advantages
+from logra_jax.rl.losses import Advantages
 from logra_jax.rl.policy import Policy
 from logra_jax.rl.rollout import Grader, RolloutSpec, fit_prompt_window
 from logra_jax.rl.sampler import Sampler
 from logra_jax.rl.sync import placed_mode
 from logra_jax.rl.update import LossConfig, PolicyUpdate
 
-SYNC_MODES = ("off", "full", "factors", "sparse")
-SYNC_DTYPES = ("bfloat16", "float32")
-
 
 def validate(config: ml_collections.ConfigDict) -> None:
-    """Rules that span sections; a value a builder can check alone is checked where it is used."""
+    """Every value alone (`config.check_values`: one rule per key), then the rules that span keys;
+    a value a builder can only check with the model (targets, ranks) is checked where it is used."""
+    config_lib.check_values(config)
     rl = config.rl
     if rl.algorithm == "grpo" and rl.num_generations < 2:
         raise ValueError(f"rl.num_generations={rl.num_generations}: GRPO compares completions within "
                          "a group, so it needs at least 2 per prompt")
-    if rl.algorithm not in ("grpo", "reinforce"):
-        raise ValueError(f"rl.algorithm must be 'grpo' or 'reinforce', got {rl.algorithm!r}")
-    if rl.advantage_baseline not in ADVANTAGE_BASELINES:
-        raise ValueError(f"rl.advantage_baseline must be one of {ADVANTAGE_BASELINES}, got "
-                         f"{rl.advantage_baseline!r}")
-    if config.max_steps <= 0:
-        raise ValueError(f"max_steps must be positive, got {config.max_steps}")
-    if not rl.temperature > 0:  # NaN too: sampling divides the logits by it
-        raise ValueError(f"rl.temperature must be > 0, got {rl.temperature}")
-    if not 0 < rl.top_p <= 1 or rl.top_k < 0:
-        raise ValueError(f"rl.top_p must be in (0, 1] and rl.top_k ≥ 0 (0: off), got top_p="
-                         f"{rl.top_p}, top_k={rl.top_k}")
-    opt = config.optimizer
-    for section, key in (("logra", "learning_rate"), ("logra", "others_learning_rate"),
-                         ("adamw", "learning_rate"), ("adafactor", "learning_rate"),
-                         ("galore", "learning_rate"), ("lora", "learning_rate")):
-        value = opt[section][key]
-        if not math.isfinite(value) or value < 0:  # a schedule built from it would hide a NaN
-            raise ValueError(f"optimizer.{section}.{key} must be a finite number ≥ 0, got {value}")
-    if opt.warmup_steps < 0:
-        raise ValueError(f"optimizer.warmup_steps must be ≥ 0, got {opt.warmup_steps}")
-    if opt.max_consecutive_skips < 1:
-        raise ValueError(f"optimizer.max_consecutive_skips must be ≥ 1, got {opt.max_consecutive_skips}")
-    if not opt.max_weight_norm_growth > 1:
-        raise ValueError(f"optimizer.max_weight_norm_growth must be > 1 (a multiple of the initial "
-                         f"weight norm), got {opt.max_weight_norm_growth}")
-    if not (rl.max_prompt_length > 0 and rl.max_completion_length > 0):
-        raise ValueError(f"rl.max_prompt_length and rl.max_completion_length must be positive, got "
-                         f"{rl.max_prompt_length} and {rl.max_completion_length}")
-    if config.sync.mode not in SYNC_MODES:
-        raise ValueError(f"sync.mode must be one of {SYNC_MODES}, got {config.sync.mode!r}")
     if config.sync.rollout_devices and config.sync.mode == "off":
         raise ValueError("sync.rollout_devices > 0 puts the sampler on its own devices, so it needs "
                          "a sync.mode (full | factors | sparse) to receive the weights")
@@ -94,16 +63,10 @@ def validate(config: ml_collections.ConfigDict) -> None:
     if replays_merge(config) and config.optimizer.logra.exact_merge is False:
         raise ValueError("sync.mode='factors' on rollout devices replays the trainer's merges, "
                          "which needs optimizer.logra.exact_merge=True (or None: automatic)")
-    if config.optimizer.name == "lora" and not (config.optimizer.lora.rank > 0
-                                                and config.optimizer.lora.alpha > 0):
-        raise ValueError(f"optimizer.lora.rank and alpha must be positive, got "
-                         f"{config.optimizer.lora.rank} and {config.optimizer.lora.alpha}")
-    if config.sync.dtype not in SYNC_DTYPES:
-        raise ValueError(f"sync.dtype must be one of {sorted(SYNC_DTYPES)}, got {config.sync.dtype!r}")
     rows = config.data.prompts_per_step * rl.num_generations
     if rows % rl.micro_batch_size:
-        raise ValueError(f"prompts_per_step × num_generations = {rows} rows is not a multiple of "
-                         f"rl.micro_batch_size={rl.micro_batch_size}")
+        raise ValueError(f"data.prompts_per_step × rl.num_generations = {rows} rows is not a "
+                         f"multiple of rl.micro_batch_size={rl.micro_batch_size}")
 
 
 def build_mesh(axes, devices=None, *, spare_devices: bool = False) -> Mesh:
@@ -146,8 +109,16 @@ def build_model(cfg: ml_collections.ConfigDict, mesh: Mesh | None):
                                    param_dtype=cfg.param_dtype, remat=cfg.remat, **dict(cfg.tiny))
         model = Decoder(model_config, rngs=nnx.Rngs(cfg.init_seed))
         return (model if mesh is None else sharding_lib.shard_model(model, mesh)), tokenizer
-    return from_pretrained(cfg.source, mesh=mesh, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
-                           remat=cfg.remat)
+    try:
+        return from_pretrained(cfg.source, mesh=mesh, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+                               remat=cfg.remat)
+    except (KeyError, ValueError, OSError) as e:
+        # The loaders' own checks name the file; a parser's error (JSON, GGUF, a field the model's
+        # config lacks) does not, so the key and the source are added to it.
+        message = f"the field {e} is missing from its config" if isinstance(e, KeyError) else str(e)
+        if str(cfg.source) in message:
+            raise
+        raise ValueError(f"model.source={cfg.source!r} cannot be read: {message}") from e
 
 
 def build_prompt_source(cfg: ml_collections.ConfigDict):

@@ -15,8 +15,6 @@ workdir holds a checkpoint, then per step
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 import pathlib
 import signal
 import threading
@@ -29,15 +27,17 @@ import ml_collections
 import numpy as np
 import optax
 from absl import logging
+from flax import nnx
 
 from logra_jax import checkpoint as checkpoint_lib
-from logra_jax import config as config_lib
-from logra_jax import distributed, host_arrays
+from logra_jax import distributed, host_arrays, model_shapes
 from logra_jax import metrics as metrics_lib
 from logra_jax import sharding as sharding_lib
+from logra_jax.models import Decoder
 from logra_jax.optim import logra_metrics, skip_metrics
 from logra_jax.optim.low_rank import all_finite
 from logra_jax.rl import build, sync
+from logra_jax.rl import workdir as workdir_lib
 from logra_jax.rl.policy import Policy, Sequences
 from logra_jax.rl.rollout import (Rollouts, RolloutSource, collect_rollouts, process_prompts,
                                   rollout_source)
@@ -76,7 +76,7 @@ class Trainer:
         del model
         # The devices hold one copy of the weights during training: the policy's. The initial
         # weights (the start of every Run of this Trainer) wait on the host, and the frozen
-        # reference is kept only when the loss uses it (beta > 0), in the compute dtype: every
+        # reference is kept only when the loss uses it (GRPO with beta > 0), in the compute dtype: every
         # layer casts its weights to that dtype anyway, so its log-probs are unchanged (fp32
         # master weights would cost 4 instead of 2 bytes per parameter at bf16 compute).
         self.param_shardings = jax.tree.map(lambda x: x.sharding, params)
@@ -85,7 +85,7 @@ class Trainer:
         self.reference_params = (
             jax.jit(lambda p: jax.tree.map(lambda x: x.astype(compute) if jnp.issubdtype(
                 x.dtype, jnp.floating) else x, p), out_shardings=self.param_shardings)(params)
-            if config.rl.beta > 0 else None)
+            if config.rl.beta > 0 and config.rl.algorithm == "grpo" else None)  # REINFORCE: no KL term
         self.update = build.build_policy_update(config, self.policy, optimizer=self.optimizer,
                                                 return_updates=self.sync_mode == "factors")
         self.sampler = build.build_sampler(config.rl, self.policy, self.tokenizer)
@@ -200,64 +200,106 @@ def step_row(t: Trainer, step: int, update_metrics, r: np.ndarray, ro: Rollouts,
     return row
 
 
-def _check_workdir(workdir: pathlib.Path) -> None:
-    """The workdir must be a folder this process can write (created if missing)."""
-    if workdir.exists() and not workdir.is_dir():
-        raise ValueError(f"workdir {workdir} is a file, not a folder; pass a folder for metrics "
-                         f"and checkpoints")
+def check_with_shapes(config: ml_collections.ConfigDict) -> None:
+    """The checks that need the model's parameters (targets that match nothing or no matrix,
+    ranks against widths, LoRA's adapters) on abstract shapes made from the model's config alone:
+    the optimizer's init is traced, nothing is allocated or read. A source with weights (a Hugging
+    Face folder, a GGUF file) takes its shapes from its files: it is checked once it is built."""
     try:
-        workdir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ValueError(f"workdir {workdir} cannot be created: {e.strerror}") from None
-    if not os.access(workdir, os.W_OK | os.X_OK):
-        raise ValueError(f"workdir {workdir} is not writable; pass a folder you can write to")
+        model_config = model_shapes.model_config_from(config.model)
+    except ValueError:
+        return
+    optimizer = build.build_optimizer(config.optimizer, replayed_merge=build.replays_merge(config))
+    model = nnx.eval_shape(lambda: Decoder(model_config, rngs=nnx.Rngs(0)))
+    try:
+        params = build.with_adapters(config.optimizer, Policy.params_of(model))
+        jax.eval_shape(optimizer.tx.init, params[optimizer.subtree] if optimizer.subtree else params)
+    except ValueError as e:   # the optimizer's own message, with the section it comes from
+        raise ValueError(f"optimizer.{config.optimizer.name} on this model: {e}") from None
+
+
+# What `Run._steps` saves beside the arrays: the step, REINFORCE's running baseline, the data position.
+LOOP_META = ("step", "baseline", "data")
+
+
+def _loop_meta(meta: dict, where: pathlib.Path) -> tuple[int, float, Any]:
+    """(step, baseline, data state) of a checkpoint's meta; ValueError naming the checkpoint when
+    any is missing (a checkpoint this loop did not write, or one edited by hand)."""
+    missing = [key for key in LOOP_META if key not in meta]
+    if missing:
+        raise ValueError(f"checkpoint {where} has no {', '.join(missing)} in its meta (written by "
+                         f"something other than this trainer, or edited); move it out of "
+                         f"{where.parent} to resume from an earlier one")
+    return meta["step"], meta["baseline"], meta["data"]
 
 
 class Run:
     """One training run in a workdir: everything built (errors in the config surface here), then
-    `loop()` trains to ``max_steps``, resuming from the latest complete checkpoint."""
+    `loop()` trains to ``max_steps``, resuming from the latest complete checkpoint; `close()` ends
+    it. From construction to `close()` the run holds the workdir's lock (logra_jax/rl/workdir.py).
+
+    ``fresh``: start over in a workdir that holds an earlier run, which is moved into
+    ``previous-<time>/`` first; without it such a workdir is resumed, or refused when the run
+    cannot continue it (another config, or metrics without a checkpoint)."""
 
     def __init__(self, config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,
-                 trainer: Trainer | None = None):
+                 trainer: Trainer | None = None, fresh: bool = False):
         self.config = config
-        self.workdir = pathlib.Path(workdir)
-        # What can be checked in a moment is checked before the model is built.
-        _check_workdir(self.workdir)
+        self._lock = None
+        # What can be checked in a moment is checked before the model is built, and before
+        # anything in the workdir is written.
         build.validate(config)
-        source = build.build_prompt_source(config.data)
-        # A Trainer holds compiled functions; runs of one config (e.g. a resumed run) may share it.
-        self.trainer = trainer if trainer is not None else Trainer(config)
-        self.data = build.build_data(config.data, config.seed, source=source,
-                                     tokenizer=self.trainer.tokenizer,
-                                     rollout_spec=self.trainer.rollout_spec)
-        self.ckpt = checkpoint_lib.Checkpointer(self.workdir / "checkpoints", keep=config.checkpoint.keep)
+        if trainer is None:   # a given Trainer was built from a config that passed them
+            check_with_shapes(config)
+        self.workdir = workdir_lib.prepare(workdir)
+        if distributed.is_primary():   # one lock per run, not per process
+            self._lock = workdir_lib.WorkdirLock(self.workdir).acquire()
+        try:
+            source = build.build_prompt_source(config.data)   # the data files: bad input first
+            self._open_history(fresh)
+            # A Trainer holds compiled functions; runs of one config (e.g. a resumed run) may share it.
+            self.trainer = trainer if trainer is not None else Trainer(config)
+            self.data = build.build_data(config.data, config.seed, source=source,
+                                         tokenizer=self.trainer.tokenizer,
+                                         rollout_spec=self.trainer.rollout_spec)
+        except BaseException:
+            self.close()
+            raise
 
-    def _check_config(self, resuming: bool) -> None:
-        """A resumed run must mean the same state: the config it was started with is kept in the
-        workdir, and a change to anything but `config.RESUMABLE_CHANGES` is refused by name."""
-        path = self.workdir / "config.json"
-        current = config_lib.as_json(self.config)
-        if resuming and path.exists():
-            changed = config_lib.state_changes(json.loads(path.read_text()), current)
-            if changed:
-                raise ValueError(f"{self.workdir} holds a run with another config: "
-                                 f"{', '.join(changed)} changed (see {path}); resume with the "
-                                 f"original values or start a new workdir")
-            return
-        if distributed.is_primary():
-            path.write_text(json.dumps(current, indent=1) + "\n")
+    def _open_history(self, fresh: bool) -> None:
+        """The checkpointer, after refusing a run that cannot continue the workdir's history (or,
+        ``fresh``, after moving that history aside)."""
+        self.ckpt = None
+        if fresh and distributed.is_primary():
+            aside = workdir_lib.set_aside(self.workdir)
+            if aside is not None:
+                logging.warning("--fresh: the earlier run of %s is now in %s", self.workdir, aside)
+        if fresh:
+            distributed.barrier("workdir history set aside")
+        history = workdir_lib.History(self.workdir)
+        self.ckpt = checkpoint_lib.Checkpointer(self.workdir / workdir_lib.CHECKPOINTS,
+                                                keep=self.config.checkpoint.keep)
+        history.check_continues(self.config, self.ckpt.all_steps())
 
     def _start(self):
-        """(params, opt_state, step, baseline): the newest intact checkpoint, else the start."""
+        """(params, opt_state, step, baseline): the newest intact checkpoint, else the start. The
+        workdir's config.json is written only once that is known: a run refused or failed before
+        here leaves the config.json of the run it would have continued as it was."""
         params, opt_state = self.trainer.init_state()
-        self._check_config(resuming=bool(self.ckpt.all_steps()))
         latest = self.ckpt.restore_latest((params, opt_state))
         if latest is None:
-            return params, opt_state, 0, 0.0
-        step, (params, opt_state), meta = latest
-        self.data.restore(meta["data"])
-        logging.info("resumed from %s at step %d", self.ckpt.directory, step)
-        return params, opt_state, meta["step"], meta["baseline"]
+            step, baseline = 0, 0.0
+        else:
+            saved, (params, opt_state), meta = latest
+            step, baseline, data_state = _loop_meta(meta, self.ckpt.directory / str(saved))
+            self.data.restore(data_state)
+            logging.info("resumed from %s at step %d", self.ckpt.directory, step)
+        # A resume keeps the config the run started with (History checked that only keys a
+        # resume may change differ); a fresh start, or a resume whose config.json was lost, writes it.
+        recorded = (self.workdir / workdir_lib.CONFIG).exists()
+        if distributed.is_primary() and (latest is None or not recorded):
+            workdir_lib.write_config(self.workdir, self.config)
+        return params, opt_state, step, baseline
 
     def loop(self) -> dict[str, Any]:
         """Trains to ``max_steps``; returns the last step's metrics row. On SIGTERM / SIGINT it
@@ -342,7 +384,7 @@ class Run:
             stopped = distributed.any_process(stop.signum is not None)
             if step % config.checkpoint.every == 0 or step == config.max_steps or stopped:
                 ckpt.save(step, (params, opt_state),
-                          {"step": step, "baseline": baseline, "data": data.state()})
+                          dict(zip(LOOP_META, (step, baseline, data.state()))))
         return last, step, params, opt_state, stopped
 
     def _check_divergence(self, step: int, row: dict, params, skipped_in_a_row: int) -> int:
@@ -378,12 +420,19 @@ class Run:
         return skipped_in_a_row
 
     def close(self) -> None:
-        self.ckpt.close()
+        """Closes the checkpointer and releases the workdir (idempotent)."""
+        if getattr(self, "ckpt", None) is not None:
+            self.ckpt.close()
+            self.ckpt = None
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
 
-def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dict[str, Any]:
+def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,
+          fresh: bool = False) -> dict[str, Any]:
     """Runs (or resumes) the job; returns the last step's metrics."""
-    run = Run(config, workdir)
+    run = Run(config, workdir, fresh=fresh)
     try:
         return run.loop()
     finally:

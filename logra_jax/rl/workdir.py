@@ -1,0 +1,180 @@
+"""A run's workdir: one run at a time, and nothing in it overwritten before the run is known to be valid.
+
+A workdir holds ``checkpoints/`` (orbax), ``config.json`` (the config the run started with),
+``metrics.jsonl`` and ``tensorboard/``. Before anything is built:
+
+- `prepare` refuses an empty path, a file, a folder that cannot be created or written, and
+  entries of the wrong kind (a ``checkpoints`` that is a file, a ``metrics.jsonl`` that is a folder);
+- `WorkdirLock` takes an exclusive lock on ``.lock`` for the run's life (one per run: process 0
+  takes it), so a second run on the same workdir is refused naming the first's pid and host;
+- `History` reads what an earlier run left and refuses what cannot continue it: a resume with a
+  config that changes the saved state, or a history (metrics rows, another config) without a
+  checkpoint to resume from — unless the run is started ``fresh``, which moves that history
+  aside into ``previous-<UTC time>/`` (nothing is deleted).
+"""
+
+from __future__ import annotations
+
+import datetime
+import fcntl
+import json
+import os
+import pathlib
+import socket
+
+import ml_collections
+
+from logra_jax import config as config_lib
+from logra_jax import metrics as metrics_lib
+
+LOCK = ".lock"
+CHECKPOINTS = "checkpoints"
+CONFIG = "config.json"
+METRICS = "metrics.jsonl"
+TENSORBOARD = "tensorboard"
+# What each entry must be when it exists; a run writes into each.
+_KINDS = {CHECKPOINTS: "folder", TENSORBOARD: "folder", CONFIG: "file", METRICS: "file", LOCK: "file"}
+
+
+def prepare(workdir: str | os.PathLike) -> pathlib.Path:
+    """The workdir as a folder this process can write (created if missing), its entries of the
+    kind a run writes; ValueError naming the path otherwise."""
+    if not str(workdir).strip():
+        raise ValueError("--workdir is empty; pass the folder for this run's metrics and "
+                         "checkpoints (it is created if missing)")
+    path = pathlib.Path(workdir)
+    try:   # exists() too raises OSError, for a name too long for the filesystem
+        if path.exists() and not path.is_dir():
+            raise ValueError(f"workdir {path} is a file, not a folder; pass a folder for metrics "
+                             f"and checkpoints")
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"workdir {path} cannot be created: {e.strerror}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"workdir {path} is not writable; pass a folder you can write to")
+    for name, kind in _KINDS.items():
+        entry = path / name
+        if entry.exists() and entry.is_dir() != (kind == "folder"):
+            raise ValueError(f"{entry} is a {'folder' if entry.is_dir() else 'file'}, but a run "
+                             f"keeps its {name} there as a {kind}; move it out of the workdir")
+    return path
+
+
+class WorkdirLock:
+    """An exclusive `flock` on ``workdir/.lock`` until `release` (or the process ends: the kernel
+    drops a dead process's lock, so a crashed run never leaves a stale one). The file holds the
+    holder's pid, host and start time, for the refusal's message, and exists only while a run
+    holds it. Local filesystems and NFS (Linux emulates flock there with a byte-range lock)
+    enforce it across hosts sharing the workdir."""
+
+    def __init__(self, workdir: pathlib.Path):
+        self.path = pathlib.Path(workdir) / LOCK
+        self._file = None
+
+    def acquire(self) -> "WorkdirLock":
+        while True:
+            file = open(self.path, "a+")   # not "w": the holder's line stays until the lock is ours
+            try:
+                fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                file.seek(0)
+                holder = file.read().strip() or "a process that has not written its pid yet"
+                file.close()
+                raise ValueError(f"workdir {self.path.parent} is in use by another run ({holder}); "
+                                 f"wait for it to end or stop it, or pass another --workdir") from None
+            # A holder that released meanwhile removed the file we opened: lock the new one.
+            if self.path.exists() and os.stat(self.path).st_ino == os.fstat(file.fileno()).st_ino:
+                break
+            file.close()
+        file.seek(0)
+        file.truncate()
+        started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+        file.write(f"pid {os.getpid()} on host {socket.gethostname()}, since {started}\n")
+        file.flush()
+        self._file = file
+        return self
+
+    def release(self) -> None:
+        """Removes the file while still holding its lock (see `acquire`), then unlocks."""
+        if self._file is not None:
+            self.path.unlink(missing_ok=True)
+            fcntl.flock(self._file, fcntl.LOCK_UN)
+            self._file.close()
+            self._file = None
+
+
+class History:
+    """What earlier runs left in a workdir: the config they started with (None when absent) and
+    the steps recorded in metrics.jsonl. Reading it changes nothing; a file it cannot read is a
+    ValueError naming the file."""
+
+    def __init__(self, workdir: pathlib.Path):
+        self.workdir = workdir
+        config_path = workdir / CONFIG
+        self.config: dict | None = None
+        if config_path.exists():
+            try:
+                self.config = json.loads(config_path.read_text(encoding="utf-8"))
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise ValueError(f"{config_path} is not a JSON config ({e}); it records the config "
+                                 f"this workdir's run started with: restore it, or start over with "
+                                 f"--fresh") from None
+            if not isinstance(self.config, dict):
+                raise ValueError(f"{config_path} holds a JSON {type(self.config).__name__}, not the "
+                                 f"object of a run's config: restore it, or start over with --fresh")
+        metrics_path = workdir / METRICS
+        rows = metrics_lib.read_jsonl(metrics_path) if metrics_path.exists() else []
+        self.steps = sorted({row["step"] for row in rows if isinstance(row.get("step"), int)})
+
+    def changes(self, config: ml_collections.ConfigDict) -> list[str]:
+        """Keys that ``config`` changes from the recorded one, except those a resume may change."""
+        if self.config is None:
+            return []
+        return config_lib.state_changes(self.config, config_lib.as_json(config))
+
+    def check_continues(self, config: ml_collections.ConfigDict, checkpoint_steps: list[int]) -> None:
+        """Refuses a run that would not continue this history: a config that changes the saved
+        state, or recorded steps (or another config) with no checkpoint to resume them from."""
+        changed = self.changes(config)
+        path = self.workdir / CONFIG
+        if checkpoint_steps:
+            if changed:
+                raise ValueError(f"{self.workdir} holds a run with another config: "
+                                 f"{', '.join(changed)} changed (see {path}); resume with the "
+                                 f"original values, start a new workdir, or pass --fresh to set "
+                                 f"this run aside and start over")
+            return
+        if self.steps:
+            raise ValueError(f"{self.workdir} holds metrics of steps {self.steps[0]}–{self.steps[-1]} "
+                             f"but no checkpoint to resume them from (the run stopped before its "
+                             f"first one, or {CHECKPOINTS}/ was removed); pass --fresh to move that "
+                             f"history into {self.workdir}/previous-<time>/ and start over, or use "
+                             f"another --workdir")
+        if changed:
+            raise ValueError(f"{self.workdir} holds the config.json of a run with another config "
+                             f"({', '.join(changed)} changed) and no checkpoint; pass --fresh to "
+                             f"move it into {self.workdir}/previous-<time>/ and start over, or use "
+                             f"another --workdir")
+
+
+def set_aside(workdir: pathlib.Path) -> pathlib.Path | None:
+    """Moves every entry a run writes (checkpoints, config, metrics, events) into
+    ``workdir/previous-<UTC time>/``; returns that folder, or None when there was nothing."""
+    entries = [workdir / name for name in (CHECKPOINTS, CONFIG, METRICS, TENSORBOARD)
+               if (workdir / name).exists()]
+    if not entries:
+        return None
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
+    aside = workdir / f"previous-{stamp}"
+    aside.mkdir()
+    for entry in entries:
+        entry.rename(aside / entry.name)
+    return aside
+
+
+def write_config(workdir: pathlib.Path, config: ml_collections.ConfigDict) -> None:
+    """config.json, replaced atomically (a kill mid-write leaves the old one whole)."""
+    path = workdir / CONFIG
+    tmp = path.with_name(f".{CONFIG}.tmp")
+    tmp.write_text(json.dumps(config_lib.as_json(config), indent=1) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
