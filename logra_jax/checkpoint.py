@@ -23,10 +23,10 @@ from logra_jax import distributed
 
 
 @contextlib.contextmanager
-def _quiet():
+def _quiet(most_verbose: int = logging.WARNING):
     """Orbax logs a dozen INFO lines per save through absl; keep a training log readable."""
     level = logging.get_verbosity()
-    logging.set_verbosity(min(level, logging.WARNING))  # absl: larger = more verbose
+    logging.set_verbosity(min(level, most_verbose))  # absl: larger = more verbose
     try:
         yield
     finally:
@@ -61,13 +61,18 @@ class Checkpointer:
         """Writes checkpoint ``step``; a failed write (a full disk, a file size limit, a folder
         made unwritable) is an OSError naming the folder, whatever orbax raised."""
         try:
-            with _quiet():
+            # A failed write is logged by each of orbax's writer threads with its traceback (23
+            # of them for one file size limit); the OSError below carries the reason once.
+            with _quiet(logging.FATAL):
                 self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                                  meta=ocp.args.JsonSave(meta)))
                 self._manager.wait_until_finished()
         except Exception as e:  # orbax wraps the OSError of its writer threads in several kinds
-            reason = " ".join(str(e).split())[:300] or type(e).__name__
-            raise OSError(f"checkpoint {step} could not be written to {self.directory}: {reason}") from e
+            reason = " ".join(str(e).split()) or type(e).__name__
+            if len(reason) > 400:   # orbax's path first, the OS's reason ("File too large") last
+                reason = f"{reason[:200]} … {reason[-200:]}"
+            raise OSError(f"checkpoint {step} could not be written to {self.directory}: "
+                          f"{reason}") from e
 
     def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
         """Restores onto the shapes, dtypes and shardings of ``abstract_state``.

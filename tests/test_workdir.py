@@ -7,7 +7,8 @@ each test also checks that the refusal comes first (and stays fast)."""
 import json
 import os
 import pathlib
-import shutil
+import resource
+import signal
 import socket
 import subprocess
 import sys
@@ -203,17 +204,27 @@ def test_a_checkpoint_without_the_loops_meta_is_named(tmp_path):
                                   tmp_path) == (2, 0.5, {"i": 1})
 
 
-def test_a_checkpoint_that_cannot_be_written_names_its_folder(tmp_path):
-    """Whatever orbax raises when a write fails (here: its folder replaced by a file under it),
-    the run sees one OSError naming the folder, which launch.train prints as its one line."""
-    import jax.numpy as jnp
+def test_a_checkpoint_that_cannot_be_written_names_its_folder(tmp_path, caplog):
+    """A file size limit at save time: orbax's writer threads fail, each logging its traceback;
+    the run sees one OSError naming the folder and the reason (launch.train prints it as its one
+    line), and nothing is logged."""
+    import jax
     from logra_jax import checkpoint
     folder = tmp_path / "checkpoints"
     saver = checkpoint.Checkpointer(folder)
-    shutil.rmtree(folder)
-    folder.write_text("not a folder")
-    with pytest.raises(OSError, match=f"checkpoint 1 could not be written to {folder}: "):
-        saver.save(1, {"w": jnp.ones(3)}, {"step": 1})
+    weights = jax.random.normal(jax.random.PRNGKey(0), (512, 512))   # 1 MiB, incompressible
+    limit, handler = resource.getrlimit(resource.RLIMIT_FSIZE), signal.getsignal(signal.SIGXFSZ)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)   # a write past the limit fails with EFBIG
+    resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, limit[1]))
+    try:
+        with pytest.raises(OSError, match=f"checkpoint 1 could not be written to {folder}: "
+                                          f".*File too large"):
+            saver.save(1, {"w": weights}, {"step": 1})
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+        signal.signal(signal.SIGXFSZ, handler)
+    assert [r.getMessage()[:200] for r in caplog.records] == []
+    assert saver.all_steps() == []
 
 
 def test_a_workdir_path_too_long_for_the_filesystem_is_one_line(tmp_path, no_model):
