@@ -147,7 +147,7 @@ def test_fresh_moves_the_history_aside_and_starts_over(tmp_path, no_model):
     (tmp_path / "checkpoints" / "3").mkdir(parents=True)
     before = _files(tmp_path)
     with pytest.raises(AssertionError, match="the model was built"):
-        trainer_lib.Run(tiny_config(), tmp_path, fresh=True)
+        train_cli.run(tiny_config(), str(tmp_path), fresh=True)   # what --fresh calls
     [aside] = tmp_path.glob("previous-*")
     assert {f"{aside.name}/{k}": v for k, v in before.items()} == {
         k: v for k, v in _files(tmp_path).items() if k.startswith(aside.name)}

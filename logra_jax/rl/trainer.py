@@ -44,6 +44,12 @@ from logra_jax.rl.rollout import (Rollouts, RolloutSource, collect_rollouts, pro
 from logra_jax.rl.update import TrainBatch
 
 
+def uses_reference(rl: ml_collections.ConfigDict) -> bool:
+    """Whether the loss reads the reference model's log-probs: GRPO's KL term, when beta > 0
+    (REINFORCE has none, whatever beta says)."""
+    return rl.algorithm == "grpo" and rl.beta > 0
+
+
 class Trainer:
     """All long-lived objects of a run, built once from the config (jitted functions included)."""
 
@@ -76,8 +82,8 @@ class Trainer:
         del model
         # The devices hold one copy of the weights during training: the policy's. The initial
         # weights (the start of every Run of this Trainer) wait on the host, and the frozen
-        # reference is kept only when the loss uses it (GRPO with beta > 0), in the compute dtype: every
-        # layer casts its weights to that dtype anyway, so its log-probs are unchanged (fp32
+        # reference is kept only when the loss uses it (`uses_reference`), in the compute dtype:
+        # every layer casts its weights to that dtype anyway, so its log-probs are unchanged (fp32
         # master weights would cost 4 instead of 2 bytes per parameter at bf16 compute).
         self.param_shardings = jax.tree.map(lambda x: x.sharding, params)
         self._initial = host_arrays.HostShards(params)  # each process: its own shards only
@@ -85,7 +91,7 @@ class Trainer:
         self.reference_params = (
             jax.jit(lambda p: jax.tree.map(lambda x: x.astype(compute) if jnp.issubdtype(
                 x.dtype, jnp.floating) else x, p), out_shardings=self.param_shardings)(params)
-            if config.rl.beta > 0 and config.rl.algorithm == "grpo" else None)  # REINFORCE: no KL term
+            if uses_reference(config.rl) else None)
         self.update = build.build_policy_update(config, self.policy, optimizer=self.optimizer,
                                                 return_updates=self.sync_mode == "factors")
         self.sampler = build.build_sampler(config.rl, self.policy, self.tokenizer)
