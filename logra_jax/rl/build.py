@@ -6,6 +6,7 @@ the same config always gives the same mesh, model, optimizer, loss and update, w
     validate(config)                         every cross-section rule, one clear error each
     build_mesh(config.mesh, devices)         the device mesh
     build_model(config.model, mesh)          (model, tokenizer), sharded on the mesh
+    build_model_config(config.model)         its ModelConfig without weights (early shape checks)
     build_prompt_source(config.data)         the examples
     build_data(config.data, seed, ...)       the prompt iterator (prompts checked against the window)
     build_optimizer(config.optimizer)        Optimizer: the optax chain and what the loop needs of it
@@ -20,7 +21,10 @@ the same config always gives the same mesh, model, optimizer, loss and update, w
 
 from __future__ import annotations
 
+import contextlib
+import json
 import math
+import pathlib
 from typing import NamedTuple
 
 import jax
@@ -33,7 +37,7 @@ from logra_jax import config as config_lib
 from logra_jax import model_shapes
 from logra_jax import sharding as sharding_lib
 from logra_jax.data import PromptIterator, load_gsm8k, make_task_source
-from logra_jax.models import Decoder, ModelConfig, from_pretrained, gguf_loader
+from logra_jax.models import Decoder, ModelConfig, from_pretrained, gguf_loader, hf_loader
 from logra_jax.optim import SketchSpec, logra, variant_defaults, warmup_constant
 from logra_jax.optim.baselines import adafactor_baseline, adamw_baseline, galore_baseline
 from logra_jax.optim.lora import LORA_KEY, init_adapters, kernel_path
@@ -109,16 +113,38 @@ def build_model(cfg: ml_collections.ConfigDict, mesh: Mesh | None):
                                    param_dtype=cfg.param_dtype, remat=cfg.remat, **dict(cfg.tiny))
         model = Decoder(model_config, rngs=nnx.Rngs(cfg.init_seed))
         return (model if mesh is None else sharding_lib.shard_model(model, mesh)), tokenizer
-    try:
+    with _naming_the_source(cfg):
         return from_pretrained(cfg.source, mesh=mesh, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
                                remat=cfg.remat)
+
+
+@contextlib.contextmanager
+def _naming_the_source(cfg: ml_collections.ConfigDict):
+    """The loaders' own checks name the file; a parser's error (JSON, GGUF, a field the model's
+    config lacks) does not, so the key and the source are added to it."""
+    try:
+        yield
     except (KeyError, ValueError, OSError) as e:
-        # The loaders' own checks name the file; a parser's error (JSON, GGUF, a field the model's
-        # config lacks) does not, so the key and the source are added to it.
         message = f"the field {e} is missing from its config" if isinstance(e, KeyError) else str(e)
         if str(cfg.source) in message:
             raise
         raise ValueError(f"model.source={cfg.source!r} cannot be read: {message}") from e
+
+
+def build_model_config(cfg: ml_collections.ConfigDict) -> ModelConfig | None:
+    """The ModelConfig ``config.model`` names, from the config alone ("tiny", "shape:<name>") or a
+    Hugging Face folder's config.json (no weights): its parameter shapes, for the checks that need
+    them before the model is built. Errors as `build_model`'s. None for a GGUF file (its header
+    holds the vocabulary: reading it costs as much as the 5 s the model build spends on it again)
+    or a source that is neither, which `build_model` reports."""
+    if cfg.source == "tiny" or model_shapes.is_shape_source(cfg.source):
+        return model_shapes.model_config_from(cfg)
+    config_file = pathlib.Path(cfg.source) / "config.json"
+    if not config_file.is_file():
+        return None
+    with _naming_the_source(cfg):
+        return hf_loader.config_from_hf(json.loads(config_file.read_text()), dtype=cfg.dtype,
+                                        param_dtype=cfg.param_dtype, remat=cfg.remat)
 
 
 def build_prompt_source(cfg: ml_collections.ConfigDict):

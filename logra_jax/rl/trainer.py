@@ -208,12 +208,13 @@ def step_row(t: Trainer, step: int, update_metrics, r: np.ndarray, ro: Rollouts,
 
 def check_with_shapes(config: ml_collections.ConfigDict) -> None:
     """The checks that need the model's parameters (targets that match nothing or no matrix,
-    ranks against widths, LoRA's adapters) on abstract shapes made from the model's config alone:
-    the optimizer's init is traced, nothing is allocated or read. A source with weights (a Hugging
-    Face folder, a GGUF file) takes its shapes from its files: it is checked once it is built."""
-    try:
-        model_config = model_shapes.model_config_from(config.model)
-    except ValueError:
+    ranks against widths, LoRA's adapters) on abstract shapes made from the model's config alone
+    (`build.build_model_config`: a Hugging Face config.json or a GGUF header, no weights): the
+    optimizer's init is traced, nothing is allocated."""
+    if model_shapes.is_shape_source(config.model.source):
+        return   # a plan without weights: build_model refuses it, naming launch.memory
+    model_config = build.build_model_config(config.model)
+    if model_config is None:
         return
     optimizer = build.build_optimizer(config.optimizer, replayed_merge=build.replays_merge(config))
     model = nnx.eval_shape(lambda: Decoder(model_config, rngs=nnx.Rngs(0)))
