@@ -273,7 +273,10 @@ def check_values(config: ml_collections.ConfigDict) -> None:
 def ignored_options(config: ml_collections.ConfigDict,
                     defaults: ml_collections.ConfigDict) -> list[str]:
     """The options of the algorithm ``config`` does not run that differ from ``defaults``
-    (configs/base.py's): values the run would silently ignore."""
+    (configs/base.py's): values the run would silently ignore. Nothing for an unknown algorithm
+    (`check_values` refuses it)."""
+    if config.rl.algorithm not in ALGORITHM_OPTIONS:
+        return []
     ignored = [key for algorithm, keys in ALGORITHM_OPTIONS.items()
                if algorithm != config.rl.algorithm for key in keys]
     return [key for key in ignored if _get(config, key) != _get(defaults, key)]

@@ -239,6 +239,7 @@ def test_the_rules_choices_are_the_librarys():
     (dict(rl=dict(beta=0.04, kl_estimator="k1")), ["rl.beta", "rl.kl_estimator"]),
     (dict(rl=dict(algorithm="grpo", num_generations=2, failure_reward=-1.0)), ["rl.failure_reward"]),
     (dict(rl=dict(algorithm="grpo", beta=0.04)), []),
+    (dict(rl=dict(algorithm="ppo", beta=0.04)), []),                 # refused by its rule instead
 ])
 def test_options_the_algorithm_ignores_are_named(overrides, ignored, capsys):
     config = tiny_config(overrides)
