@@ -38,9 +38,10 @@ def no_model(monkeypatch):
     monkeypatch.setattr(build, "build_model", refuse)
 
 
-def _files(workdir: pathlib.Path) -> dict[str, bytes]:
-    return {str(f.relative_to(workdir)): f.read_bytes() for f in sorted(workdir.rglob("*"))
-            if f.is_file()}
+def _files(workdir: pathlib.Path) -> dict[str, bytes | None]:
+    """{relative path: bytes, or None for a folder} of everything in ``workdir``."""
+    return {str(f.relative_to(workdir)): f.read_bytes() if f.is_file() else None
+            for f in sorted(workdir.rglob("*"))}
 
 
 def _refusal(config, workdir, **kwargs) -> str:
@@ -150,7 +151,7 @@ def test_fresh_moves_the_history_aside_and_starts_over(tmp_path, no_model):
         train_cli.run(tiny_config(), str(tmp_path), fresh=True)   # what --fresh calls
     [aside] = tmp_path.glob("previous-*")
     assert {f"{aside.name}/{k}": v for k, v in before.items()} == {
-        k: v for k, v in _files(tmp_path).items() if k.startswith(aside.name)}
+        k: v for k, v in _files(tmp_path).items() if k.startswith(f"{aside.name}/")}
     assert (aside / "checkpoints" / "3").is_dir() and not (tmp_path / "metrics.jsonl").exists()
 
 

@@ -284,9 +284,16 @@ class Run:
         if fresh:
             distributed.barrier("workdir history set aside")
         history = workdir_lib.History(self.workdir)
-        self.ckpt = checkpoint_lib.Checkpointer(self.workdir / workdir_lib.CHECKPOINTS,
-                                                keep=self.config.checkpoint.keep)
-        history.check_continues(self.config, self.ckpt.all_steps())
+        directory = self.workdir / workdir_lib.CHECKPOINTS
+
+        def checkpointer():
+            return checkpoint_lib.Checkpointer(directory, keep=self.config.checkpoint.keep)
+        if directory.exists():
+            self.ckpt = checkpointer()
+        # Orbax creates the folder it manages: only once the run is known to continue the history.
+        history.check_continues(self.config, self.ckpt.all_steps() if self.ckpt else [])
+        if self.ckpt is None:
+            self.ckpt = checkpointer()
 
     def _start(self):
         """(params, opt_state, step, baseline): the newest intact checkpoint, else the start. The
