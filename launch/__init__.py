@@ -4,12 +4,30 @@ import os
 import statistics
 
 
+def _no_local_tpu() -> bool:
+    """True where libtpu is installed (the tpu or test extra: it compiles for TPU targets) but this
+    machine has no TPU chip. JAX would then try to start a TPU backend first, print a page of
+    libtpu warnings, fail, and hold libtpu's lock file for the whole run (another process's TPU
+    compile then fails on it)."""
+    import glob
+    import importlib.util
+    if importlib.util.find_spec("libtpu") is None:
+        return False
+    return not (glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
+
+
 def simulate_host_devices(count: int) -> None:
     """Make a CPU run see ``count`` devices, so the sharded code path is the one a GPU node runs.
 
     Must run before jax is imported. ``LOGRA_HOST_DEVICES`` overrides ``count``, and an
     ``XLA_FLAGS`` that already sets a device count wins over both. Accelerators ignore the flag.
+    Where libtpu is installed without a TPU chip, JAX is told not to look for one (GPUs, where
+    present, are still found: ``JAX_PLATFORMS`` is set only when none is).
     """
+    if "JAX_PLATFORMS" not in os.environ and _no_local_tpu():
+        import glob
+        if not glob.glob("/dev/nvidia[0-9]*"):
+            os.environ["JAX_PLATFORMS"] = "cpu"
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" in flags:
         return

@@ -1,11 +1,21 @@
-"""Per-device memory of one policy update and of the whole RL loop, ahead of time, on CPU.
+"""Per-device memory of one policy update and of the whole RL loop, ahead of time, on this machine.
 
-    python -m launch.memory --config configs/qwen2_5_7b_gsm8k.py [--mesh fsdp=4,tensor=1] \
-        [--optimizer logra|adamw|adafactor|galore] [--compare adamw[,adafactor,galore,logra:fp32,...]] [--micro_steps N] \
+    python -m launch.memory --config configs/qwen2_5_7b_gsm8k.py [--target cpu|v5p-16|v6e-8|...] \
+        [--mesh fsdp=4,tensor=1] [--optimizer logra|adamw|adafactor|galore] \
+        [--compare adamw[,adafactor,galore,logra:fp32,...]] [--micro_steps N] [--compile_rollout] \
         [--rollout_devices N] [--hosts H] [--explain 15] [--json out.json] [--config.key=value ...]
 
-The trainer's jitted update is compiled for the config's model shape on simulated CPU devices
-(abstract inputs: nothing is allocated, 7B and 27B shapes compile in about a minute) and XLA's
+``--target cpu`` (default): XLA:CPU on simulated CPU devices. ``--target v5p-16`` (any Cloud TPU
+name perf/tpu.py lists): the TPU compiler (libtpu, the ``tpu`` extra) compiles for that slice's
+devices, FSDP over all of them unless ``--mesh`` says otherwise, and also compiles the sampler's
+``generate`` for the rollout batch, so the rollout phase is the compiler's figure too. The header
+names the compiler (and the slice, its chips, HBM and libtpu version); for a TPU target the last
+lines say whether each column's RL footprint fits a device's HBM, and the compiler's own refusal
+of an over-budget program is one "does not fit: ... needs X of Y" line; either exits 1.
+
+The trainer's jitted update is compiled for the config's model shape (abstract inputs: nothing is
+allocated; on XLA:CPU 7B and 27B shapes compile in about a minute, the TPU compiler takes
+minutes) and XLA's
 memory analysis is printed per training device: params, optimizer state, gradients or sketches,
 temporaries and the peak, plus the reference and sampler weights and the KV cache the RL loop
 keeps. ``--compare`` adds columns, each an optimizer with the config's weight dtype or with
@@ -73,6 +83,15 @@ _NO_LICM = flags.DEFINE_bool("no_licm", False,
                              "hoists f32 copies of whole bf16 weight stacks out of the layer loops "
                              "(bf16 dots run in f32 here, natively on GPUs). For bf16-weight plans.")
 _JSON = flags.DEFINE_string("json", None, "Also write the numbers (bytes) to this JSON file.")
+_TARGET = flags.DEFINE_string(
+    "target", "cpu", "Compile for: cpu (XLA:CPU on simulated devices) or a TPU slice, compiled by "
+    "the TPU compiler on this machine (libtpu, the 'tpu' extra): v4-8, v5p-8, v5p-16, v5p-32, "
+    "v5p-64, v5e-8, v6e-8, v6e-16, tpu7x-8, ... (Cloud TPU names; FSDP over all devices unless "
+    "--mesh says otherwise).")
+_ROLLOUT_COMPILE = flags.DEFINE_bool(
+    "compile_rollout", None, "Also compile the sampler's generate for the rollout batch, so the "
+    "rollout phase is the compiler's figure, not weights + KV cache from shapes (default: on for "
+    "TPU targets, off for cpu).")
 flags.mark_flags_as_required(["config"])
 
 
@@ -106,12 +125,15 @@ def devices_per_host(mesh_size: int, hosts: int) -> int:
     return mesh_size // hosts
 
 
-def measure(config, cols, mesh_sizes, rollout_devices, micro_steps, explain, hoist=True, hosts=1):
+def measure(config, cols, mesh_sizes, rollout_devices, micro_steps, explain, hoist=True, hosts=1,
+            devices=None, compile_rollout=False):
+    """(mesh, [StepMemory], [LoopMemory], [RolloutMemory] or None, {label: peak breakdown}) for
+    the columns ``cols``; the TPU compiler's refusal of any program raises `tpu.DoesNotFit`."""
     import jax
     from logra_jax.perf import memory
     from logra_jax.rl.build import build_mesh
 
-    devices = jax.devices()
+    devices = jax.devices() if devices is None else devices
     if rollout_devices >= len(devices):
         raise ValueError(f"rollout_devices={rollout_devices} leaves no training device of {len(devices)}")
     training_devices = devices[:len(devices) - rollout_devices] if rollout_devices else devices
@@ -120,11 +142,17 @@ def measure(config, cols, mesh_sizes, rollout_devices, micro_steps, explain, hoi
     rollout = (build_mesh({"fsdp": rollout_devices, "tensor": 1},
                           devices[len(devices) - rollout_devices:])
                if rollout_devices else mesh)
-    steps, loops, breakdowns = [], [], {}
+    steps, loops, rollouts, breakdowns = [], [], [], {}
+    generate = {}   # the sampler's program differs between columns only by LoRA's adapters
     for label, name, param_dtype in cols:
         run = config.copy_and_resolve_references()
         run.optimizer.name = name
         run.model.param_dtype = param_dtype
+        if compile_rollout:   # first: the quicker compile, and the one a big rollout batch overfills
+            kind = name == "lora"
+            if kind not in generate:
+                generate[kind] = memory.rollout_step_memory(run, rollout)
+            rollouts.append(generate[kind])
         if explain:
             with tempfile.TemporaryDirectory() as dump:
                 steps.append(memory.update_step_memory(run, mesh, micro_steps=micro_steps,
@@ -135,24 +163,54 @@ def measure(config, cols, mesh_sizes, rollout_devices, micro_steps, explain, hoi
             steps.append(memory.update_step_memory(run, mesh, micro_steps=micro_steps, label=label,
                                                    hoist_invariants=hoist))
         loops.append(memory.rl_resident_bytes(run, mesh, rollout))
-    return mesh, steps, loops, breakdowns
+    return mesh, steps, loops, (rollouts if compile_rollout else None), breakdowns
+
+
+def target_header(target, mesh) -> str:
+    """Which compiler made the numbers: XLA:CPU's simulated devices, or the TPU slice and libtpu."""
+    import jax
+    if target is None:
+        return f"compiler: XLA:CPU (jax {jax.__version__}), {mesh.size} simulated CPU devices"
+    from logra_jax.perf import tpu
+    chips = mesh.size // target.chip.devices_per_chip
+    return (f"compiler: TPU, libtpu {tpu.libtpu_version()} (jax {jax.__version__}); target "
+            f"{target.name} = topology {target.topology}, {target.chips} chips × "
+            f"{tpu.gib_text(target.chip.hbm)} HBM, {target.devices} devices "
+            f"'{mesh.devices.flat[0].device_kind}' ({tpu.gib_text(target.hbm_per_device)} each); "
+            f"training mesh uses {mesh.size} devices ({chips} chips)")
 
 
 def main(argv):
     del argv
-    from logra_jax.perf import memory
+    from logra_jax.perf import memory, tpu
 
     config = _CONFIG.value
+    target, devices = None, None
     try:
+        if _TARGET.value != "cpu":
+            target = tpu.target(_TARGET.value)
+            devices = tpu.devices(target)
         if _OPTIMIZER.value:
             config.optimizer.name = _OPTIMIZER.value
         cols = memory.columns(config, _COMPARE.value)
-        mesh_sizes = parse_mesh(_MESH.value) if _MESH.value else dict(config.mesh)
         rollout_devices = rollout_devices_of(config, _ROLLOUT.value)
-        mesh, steps, loops, breakdowns = measure(config, cols, mesh_sizes, rollout_devices,
-                                                 _MICRO_STEPS.value, _EXPLAIN.value,
-                                                 hoist=not _NO_LICM.value, hosts=_HOSTS.value)
+        if _MESH.value:
+            mesh_sizes = parse_mesh(_MESH.value)
+        elif target is not None:   # a config's mesh is its GPU node's; a slice shards over all
+            mesh_sizes = {"fsdp": len(devices) - rollout_devices, "tensor": 1}
+        else:
+            mesh_sizes = dict(config.mesh)
+        compile_rollout = (target is not None if _ROLLOUT_COMPILE.value is None
+                           else _ROLLOUT_COMPILE.value)
+        mesh, steps, loops, rollouts, breakdowns = measure(
+            config, cols, mesh_sizes, rollout_devices, _MICRO_STEPS.value, _EXPLAIN.value,
+            hoist=not _NO_LICM.value, hosts=_HOSTS.value, devices=devices,
+            compile_rollout=compile_rollout)
         per_host = devices_per_host(mesh.size, _HOSTS.value)
+    except tpu.DoesNotFit as e:
+        sys.exit(f"does not fit: {e.program} needs {tpu.gib_text(e.needed)} of "
+                 f"{tpu.gib_text(e.available)} HBM per device on {_TARGET.value} (the TPU "
+                 f"compiler's refusal: {e})")
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"error: {e}")
 
@@ -163,7 +221,9 @@ def main(argv):
           f"{steps[0].micro_steps} micro-step(s) of {rl.micro_batch_size} rows × "
           f"{rl.max_prompt_length + rl.max_completion_length} tokens; rollout: "
           f"{'colocated' if loops[0].colocated else f'{loops[0].rollout_devices} own devices'}")
-    print(memory.format_table(steps, loops))
+    print(target_header(target, mesh))
+    unit = "device" if target is None or target.chip.devices_per_chip > 1 else "chip"
+    print(memory.format_table(steps, loops, rollouts, unit=unit))
     for name, (peak, entries) in breakdowns.items():
         print(f"\nlargest buffers live at the {name} peak ({memory.gib(peak)} GiB), MiB:")
         for label, size in entries[:_EXPLAIN.value]:
@@ -172,14 +232,27 @@ def main(argv):
         payload = {"mesh": dict(mesh.shape), "hosts": _HOSTS.value, "loop": loops[0].__dict__,
                    "loops": {s.optimizer: loop.__dict__ for s, loop in zip(steps, loops)},
                    "steps": [dict(s.__dict__, peak=s.peak) for s in steps],
-                   "footprint": {s.optimizer: memory.rl_footprint(s, loop)
-                                 for s, loop in zip(steps, loops)}}
+                   "footprint": {s.optimizer: memory.rl_footprint(s, loop, r)
+                                 for s, loop, r in zip(steps, loops, rollouts or [None] * len(steps))},
+                   "rollouts": [r.__dict__ for r in rollouts] if rollouts else None,
+                   "target": target.name if target else "cpu", "libtpu": tpu.libtpu_version(),
+                   "hbm_per_device": target.hbm_per_device if target else None}
         with open(_JSON.value, "w") as f:
             json.dump(payload, f, indent=1)
     a = steps[0]
     for b in steps[1:]:
         print(f"peak per device: {a.optimizer} {memory.gib(a.peak)} GiB, {b.optimizer} "
               f"{memory.gib(b.peak)} GiB, ratio {a.peak / b.peak:.3f}")
+    if target is not None:
+        verdicts = []
+        for s, loop, r in zip(steps, loops, rollouts or [None] * len(steps)):
+            need = memory.rl_footprint(s, loop, r)["total"]
+            verdicts.append(need <= target.hbm_per_device)
+            print(f"{'fits' if verdicts[-1] else 'does not fit'}: {s.optimizer} RL footprint "
+                  f"{memory.gib(need)} GiB of {tpu.gib_text(target.hbm_per_device)} HBM per device "
+                  f"on {target.name} (the compiler's plan is a lower bound)")
+        if not verdicts[0]:
+            sys.exit(1)
 
 
 if __name__ == "__main__":

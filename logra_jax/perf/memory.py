@@ -34,8 +34,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from logra_jax import model_shapes
 from logra_jax import sharding as sharding_lib
 from logra_jax.models import Decoder, ModelConfig
+from logra_jax.perf import tpu
 from logra_jax.rl import build
 from logra_jax.rl.policy import Policy, Sequences
+from logra_jax.rl.sampler import Sampler
 from logra_jax.rl.update import TrainBatch
 from logra_jax.tree_paths import leaves_with_paths
 
@@ -222,7 +224,9 @@ def update_step_memory(config: ml_collections.ConfigDict, mesh: Mesh, *, micro_s
     if not hoist_invariants:
         options["xla_disable_hlo_passes"] = "while-loop-invariant-code-motion"
     lowered = update.jitted(params, opt_state).lower(params, opt_state, batch)
-    stats = lowered.compile(compiler_options=options or None).memory_analysis()
+    stats = tpu.compile_or_refuse(lowered, compiler_options=options or None,
+                                  program=f"the {label or config.optimizer.name} update"
+                                  ).memory_analysis()
     return StepMemory(
         optimizer=label or config.optimizer.name, devices=mesh.size, micro_steps=rows // rl.micro_batch_size,
         params=device_bytes(params), opt_state=device_bytes(opt_state), batch=device_bytes(batch),
@@ -288,16 +292,72 @@ def rl_resident_bytes(config: ml_collections.ConfigDict, training: Mesh, rollout
                       rollout_devices=rollout.size, colocated=colocated)
 
 
-def rl_footprint(step: StepMemory, loop: LoopMemory) -> dict[str, int]:
+@dataclasses.dataclass(frozen=True)
+class RolloutMemory:
+    """Per-device bytes of the sampler's compiled ``generate`` for one rollout batch: its arguments
+    (the bf16 weights it samples with, the prompts), outputs and temporaries (the KV cache, the
+    decode's activations and logits)."""
+
+    rows: int
+    weights: int          # from shapes and shardings: the sampler's weights among the arguments
+    arguments: int        # XLA
+    outputs: int          # XLA
+    temporaries: int      # XLA
+
+    @property
+    def peak(self) -> int:
+        return self.arguments + self.outputs + self.temporaries
+
+
+def rollout_step_memory(config: ml_collections.ConfigDict, mesh: Mesh, *,
+                        decode_weights: str = "stacked") -> RolloutMemory:
+    """Compiles the sampler's ``generate`` for ``config``'s rollout batch (prompts_per_step ×
+    num_generations rows, the prompt window plus the completion length of cache) on ``mesh``, with
+    bf16 weights placed by their logical axes; no arrays. ``decode_weights`` as `Sampler`'s:
+    "stacked" is what an accelerator runs ("auto" would pick by the backend compiling, CPU here)."""
+    model_config = model_shapes.model_config_from(config.model)
+    model = abstract_model(model_config)
+    policy = Policy(model, lora_scale=build.lora_scale(config.optimizer))
+    params = _bf16(build.with_adapters(config.optimizer, abstract_params(model, mesh)))
+    rl = config.rl
+    rows = config.data.prompts_per_step * rl.num_generations
+    sampler = Sampler(policy, max_prompt_length=rl.max_prompt_length,
+                      max_completion_length=rl.max_completion_length, eos_ids=[0], pad_id=0,
+                      decode_weights=decode_weights)
+    on_rows = sharding_lib.batch_sharding(mesh, rows)
+    replicated = NamedSharding(mesh, P())
+    tokens = jax.ShapeDtypeStruct((rows, rl.max_prompt_length), jnp.int32, sharding=on_rows)
+    mask = jax.ShapeDtypeStruct((rows, rl.max_prompt_length), jnp.bool_, sharding=on_rows)
+    key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=replicated)
+    temperature = jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated)
+    lowered = sampler._generate.lower(params, tokens, mask, key, temperature, top_k=int(rl.top_k),
+                                      top_p=float(rl.top_p), greedy=False)
+    stats = tpu.compile_or_refuse(lowered, program=f"the sampler's generate ({rows} rows)"
+                                  ).memory_analysis()
+    return RolloutMemory(rows=rows, weights=device_bytes(params),
+                         arguments=stats.argument_size_in_bytes, outputs=stats.output_size_in_bytes,
+                         temporaries=stats.temp_size_in_bytes)
+
+
+def rl_footprint(step: StepMemory, loop: LoopMemory,
+                 rollout: RolloutMemory | None = None) -> dict[str, int]:
     """Per training device: the update phase, the rollout phase and the larger of the two.
 
     update phase  = update peak + reference (+ sampler weights when colocated)
     rollout phase = params + optimizer state + reference (+ sampler weights + KV cache when colocated)
+
+    With ``rollout`` (the compiled ``generate``) and a colocated sampler, the rollout phase's
+    sampler part is the compiled peak instead of weights + KV cache from shapes: params + optimizer
+    state + reference + generate's peak, less its weights where the sampler reads the policy's own
+    bf16 params (``loop.sampler_weights`` is 0 then).
     """
     shared = loop.reference + (loop.sampler_weights if loop.colocated else 0)
     update = step.peak + shared
-    rollout = step.params + step.opt_state + shared + (loop.kv_cache if loop.colocated else 0)
-    return {"update": update, "rollout": rollout, "total": max(update, rollout)}
+    rollout_phase = step.params + step.opt_state + shared + (loop.kv_cache if loop.colocated else 0)
+    if rollout is not None and loop.colocated:
+        rollout_phase = (step.params + step.opt_state + loop.reference + rollout.peak
+                         - rollout.weights + loop.sampler_weights)
+    return {"update": update, "rollout": rollout_phase, "total": max(update, rollout_phase)}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -367,9 +427,11 @@ def gib(n: int) -> str:
     return f"{value:.2f}" if value >= 0.00995 or value == 0 else f"{value:.3g}"
 
 
-def format_table(steps: list[StepMemory], loops: list[LoopMemory] | LoopMemory | None = None) -> str:
+def format_table(steps: list[StepMemory], loops: list[LoopMemory] | LoopMemory | None = None,
+                 rollouts: list[RolloutMemory] | None = None, unit: str = "device") -> str:
     """One column per measured update (its ``optimizer`` label), GiB per training device; with
-    ``loops`` (one per column, or one for all) the RL loop's resident memory and footprint."""
+    ``loops`` (one per column, or one for all) the RL loop's resident memory and footprint; with
+    ``rollouts`` (one per column) the sampler's compiled ``generate`` as well."""
     names = [s.optimizer for s in steps]
     width = max(10, *(len(n) for n in names))
     rows: list[tuple[str, list[str]]] = [
@@ -387,12 +449,17 @@ def format_table(steps: list[StepMemory], loops: list[LoopMemory] | LoopMemory |
         where = "colocated" if loops[0].colocated else f"own {loops[0].rollout_devices} devices"
         rows.append((f"sampler bf16 ({where})", [gib(loop.sampler_weights) for loop in loops]))
         rows.append((f"KV cache ({where})", [gib(loop.kv_cache) for loop in loops]))
-        phases = [rl_footprint(s, loop) for s, loop in zip(steps, loops)]
+        if rollouts is not None:
+            rows.append((f"generate temporaries ({where}, XLA)",
+                         [gib(r.temporaries) for r in rollouts]))
+            rows.append((f"generate peak ({where}, XLA)", [gib(r.peak) for r in rollouts]))
+        phases = [rl_footprint(s, loop, r)
+                  for s, loop, r in zip(steps, loops, rollouts or [None] * len(steps))]
         rows.append(("RL update phase", [gib(p["update"]) for p in phases]))
         rows.append(("RL rollout phase", [gib(p["rollout"]) for p in phases]))
         rows.append(("RL footprint (max)", [gib(p["total"]) for p in phases]))
     label_width = max(len(r[0]) for r in rows)
-    head = f"{'GiB per training device':<{label_width}}  " + "  ".join(f"{n:>{width}}" for n in names)
+    head = f"{'GiB per training ' + unit:<{label_width}}  " + "  ".join(f"{n:>{width}}" for n in names)
     lines = [head, "-" * len(head)]
     for label, values in rows:
         lines.append(f"{label:<{label_width}}  " + "  ".join(f"{v:>{width}}" for v in values))

@@ -1,0 +1,91 @@
+"""The TPU compiler on this CPU machine (libtpu): the memory planner's other judge besides XLA:CPU.
+
+`python -m launch.memory --target <slice>` compiles the tiny config's update and its sampler's
+``generate`` for a TPU slice's devices; the header names the slice, its chips and the libtpu that
+compiled it. A program over a chip's HBM is refused by the compiler itself, and becomes one
+"does not fit" line and a non-zero exit.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from logra_jax.perf import tpu
+
+REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.skipif(tpu.libtpu_version() is None,
+                                reason="libtpu (the 'tpu' extra) is not installed: no TPU compiler")
+TARGET = "v5e-8"   # the smallest HBM (16 GB per chip): the cheapest program to overfill
+
+
+def _memory_cli(*args, tmp_path):
+    out = tmp_path / "memory.json"
+    result = subprocess.run([sys.executable, "-m", "launch.memory", "--config", "configs/tiny.py",
+                             "--json", str(out), *args], cwd=REPO, capture_output=True, text=True,
+                            timeout=900)
+    return result, (json.loads(out.read_text()) if out.exists() else None)
+
+
+@pytest.fixture(scope="module")
+def tiny_on_tpu(tmp_path_factory):
+    """One compile of the tiny config's update and sampler for 8 v5e chips, shared by the tests."""
+    return _memory_cli("--target", TARGET, tmp_path=tmp_path_factory.mktemp("tpu"))
+
+
+def test_tiny_update_and_sampler_compile_for_a_tpu_slice(tiny_on_tpu):
+    result, plan = tiny_on_tpu
+    assert result.returncode == 0, result.stderr[-3000:]
+    header = next(line for line in result.stdout.splitlines() if line.startswith("compiler:"))
+    assert f"libtpu {tpu.libtpu_version()}" in header and TARGET in header
+    assert "'TPU v5 lite'" in header   # the devices are the slice's, not simulated CPUs
+    assert plan["target"] == TARGET and plan["mesh"] == {"fsdp": 8, "tensor": 1}
+    assert plan["hbm_per_device"] == tpu.target(TARGET).hbm_per_device
+    step, rollout = plan["steps"][0], plan["rollouts"][0]
+    assert step["arguments"] > 0 and step["temporaries"] > 0
+    # The rollout phase is the compiled generate: weights among its arguments, a KV cache and
+    # logits among its temporaries, and the footprint reads it.
+    assert rollout["arguments"] >= rollout["weights"] > 0 and rollout["temporaries"] > 0
+    footprint = plan["footprint"][step["optimizer"]]
+    assert footprint["rollout"] >= step["params"] + step["opt_state"] + rollout["temporaries"]
+    assert result.stdout.strip().splitlines()[-1].startswith("fits: logra RL footprint")
+    # No libtpu warnings about metadata servers or worker hostnames on a machine without TPUs.
+    assert "TPU_WORKER_HOSTNAMES" not in result.stderr
+
+
+def test_a_program_over_the_chips_hbm_is_refused_by_the_compiler():
+    """The compiler's own refusal, parsed: what the program needs and what a v5e chip has."""
+    target = tpu.target(TARGET)
+    mesh = Mesh(np.array(tpu.devices(target)), ("x",))
+    x = jax.ShapeDtypeStruct((100_000,), jnp.float32, sharding=NamedSharding(mesh, P()))
+    outer = jax.jit(lambda x: x[:, None] * x[None, :])   # 40 GB of output on every chip
+    with pytest.raises(tpu.DoesNotFit) as refused:
+        tpu.compile_or_refuse(outer.lower(x))
+    assert refused.value.needed >= 100_000 ** 2 * 4 * 0.99
+    assert 0.9 * target.hbm_per_device < refused.value.available <= target.hbm_per_device
+    # A program that fits compiles, and says how much it plans per device.
+    small = jax.ShapeDtypeStruct((1024,), jnp.float32, sharding=NamedSharding(mesh, P()))
+    stats = tpu.compile_or_refuse(outer.lower(small)).memory_analysis()
+    assert stats.output_size_in_bytes == 1024 * 1024 * 4
+
+
+def test_a_plan_over_the_budget_is_one_line_and_a_nonzero_exit(tmp_path):
+    """A rollout batch whose KV cache cannot fit a v5e chip (the tiny model with 2048-wide heads:
+    8192 rows × 512 slots × 32 KiB of keys and values, 16 GiB on each of 8 chips, and the decode's
+    own buffers): the compiler refuses the sampler — compiled first, before any update — and the
+    planner prints one "does not fit" line with the compiler's figures and exits 1."""
+    result, _ = _memory_cli("--target", TARGET, "--config.data.prompts_per_step=4096",
+                            "--config.rl.max_prompt_length=448", "--config.rl.max_completion_length=64",
+                            "--config.model.tiny.head_dim=2048", tmp_path=tmp_path)
+    assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("does not fit: the sampler's generate (8192 rows) needs "), last
+    assert f"HBM per device on {TARGET}" in last and "Traceback" not in result.stderr
+    needed = float(last.split(" needs ")[1].split(" GiB")[0])
+    assert needed > tpu.target(TARGET).hbm_per_device / 2 ** 30
