@@ -26,11 +26,11 @@ GOOD_GSM8K = {"question": "Tom has 3 apples and buys 2 more. How many apples doe
               "answer": "3 + 2 = 5\n#### 5"}
 
 
-def _snapshot(workdir: pathlib.Path) -> dict[str, tuple[int, int, str]]:
-    """{relative path: (size, mtime_ns, sha256)} of every file."""
+def _snapshot(workdir: pathlib.Path) -> dict[str, tuple[int, int, str] | None]:
+    """{relative path: (size, mtime_ns, sha256), or None for a folder} of everything."""
     return {str(f.relative_to(workdir)): (f.stat().st_size, f.stat().st_mtime_ns,
                                           hashlib.sha256(f.read_bytes()).hexdigest())
-            for f in sorted(workdir.rglob("*")) if f.is_file()}
+            if f.is_file() else None for f in sorted(workdir.rglob("*"))}
 
 
 @pytest.fixture(scope="module")

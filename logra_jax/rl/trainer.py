@@ -269,13 +269,15 @@ class Run:
             self.data = build.build_data(config.data, config.seed, source=source,
                                          tokenizer=self.trainer.tokenizer,
                                          rollout_spec=self.trainer.rollout_spec)
+            if self.ckpt is None:
+                self.ckpt = self._checkpointer()
         except BaseException:
             self.close()
             raise
 
     def _open_history(self, fresh: bool) -> None:
-        """The checkpointer, after refusing a run that cannot continue the workdir's history (or,
-        ``fresh``, after moving that history aside)."""
+        """Refuses a run that cannot continue the workdir's history (or, ``fresh``, moves that
+        history aside first); the checkpointer of the checkpoints it holds, if any."""
         self.ckpt = None
         if fresh and distributed.is_primary():
             aside = workdir_lib.set_aside(self.workdir)
@@ -284,16 +286,15 @@ class Run:
         if fresh:
             distributed.barrier("workdir history set aside")
         history = workdir_lib.History(self.workdir)
-        directory = self.workdir / workdir_lib.CHECKPOINTS
-
-        def checkpointer():
-            return checkpoint_lib.Checkpointer(directory, keep=self.config.checkpoint.keep)
-        if directory.exists():
-            self.ckpt = checkpointer()
-        # Orbax creates the folder it manages: only once the run is known to continue the history.
+        if (self.workdir / workdir_lib.CHECKPOINTS).exists():
+            self.ckpt = self._checkpointer()
         history.check_continues(self.config, self.ckpt.all_steps() if self.ckpt else [])
-        if self.ckpt is None:
-            self.ckpt = checkpointer()
+
+    def _checkpointer(self) -> checkpoint_lib.Checkpointer:
+        """Orbax's manager creates the folder it manages: a new workdir gets it only once the run
+        is built (`__init__`), so a refused run leaves none."""
+        return checkpoint_lib.Checkpointer(self.workdir / workdir_lib.CHECKPOINTS,
+                                           keep=self.config.checkpoint.keep)
 
     def _start(self):
         """(params, opt_state, step, baseline): the newest intact checkpoint, else the start. The
