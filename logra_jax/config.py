@@ -322,13 +322,19 @@ def config_path_from_argv(argv: Sequence[str]) -> str | None:
     return None
 
 
+HELP_FLAGS = ("-h", "-?", "--help", "--helpshort", "--helpfull", "--helpxml")
+
+
 def check_argv(argv: Sequence[str], required: Sequence[str] = ()) -> None:
     """Exits with one line on a missing config file or required flag, an unknown ``--config.*``
     key, or a value that is not of its key's type.
 
     Launch scripts call it before absl parses flags (absl would print a traceback or a two-line
-    FATAL message instead). ``required``: flag names (without ``--``) that must be given.
+    FATAL message instead). ``required``: flag names (without ``--``) that must be given. A
+    request for help is left to absl, which prints it whatever else is missing.
     """
+    if any(arg in HELP_FLAGS for arg in argv):
+        return
     for name in required:
         if not any(a == f"--{name}" or a.startswith(f"--{name}=") for a in argv):
             sys.exit(f"error: --{name} is required")

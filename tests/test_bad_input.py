@@ -304,6 +304,13 @@ def test_bad_command_line_is_one_line(argv, message, trained, tmp_path):
     assert _snapshot(workdir) == before
 
 
+@pytest.mark.parametrize("flag", ["--help", "--helpfull"])
+def test_help_is_left_to_absl_even_without_the_required_flags(flag):
+    config_lib.check_argv([flag], required=("config", "workdir"))   # no SystemExit: absl prints it
+    with pytest.raises(SystemExit, match="error: --config is required"):
+        config_lib.check_argv(["--workdir=w"], required=("config", "workdir"))
+
+
 def test_an_error_after_setup_reaches_the_shell_as_one_line(tmp_path):
     """The real process end to end for an error found once the model is built (prompt window)."""
     done = subprocess.run(
