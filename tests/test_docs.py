@@ -92,18 +92,13 @@ def test_the_readme_stays_a_front_door():
         assert command in README.read_text()
 
 
-# Commit names still on pages owned elsewhere, to be reworded there (then delete the entry).
-_COMMITS_TO_REWORD = {"docs/reliability.md": {"a8ae073"}}   # "before (HEAD a8ae073)": the KL safeguard table
-
-
 @pytest.mark.parametrize("page", PAGES, ids=_rel)
 def test_no_page_cites_issue_numbers_or_commits(page):
     text = page.read_text()
     issues = re.findall(r"(?<![\w&(/])#\d+\b", text)
     assert not issues, f"{_rel(page)} cites {issues}: a reader cannot resolve issue numbers; say what they said"
     commits = [w for w in re.findall(r"\b[0-9a-f]{7,40}\b", text)
-               if re.search(r"[a-f]", w) and re.search(r"\d", w)
-               and w not in _COMMITS_TO_REWORD.get(_rel(page), ())]
+               if re.search(r"[a-f]", w) and re.search(r"\d", w)]
     assert not commits, f"{_rel(page)} names commits {commits}: say what changed instead"
 
 
@@ -126,15 +121,6 @@ def test_every_file_and_test_a_page_names_exists(page):
 # `--help` of every launch module the README names. absl prints the usage and exits with status 1
 # (absl.app.HelpFlag: `_exit_before_main(1)`), for every absl program: the test asks for the usage.
 _MODULES = sorted(set(re.findall(r"python -m launch\.(\w+)", README.read_text())))
-# Modules whose `--help` never reaches absl: `logra_jax.config.check_argv` runs first and refuses
-# the command line for a missing required flag ("error: --config is required"). The fix belongs in
-# check_argv (let --help / --helpfull through); until then these are expected to fail, strictly.
-_HELP_REFUSED = {
-    "train": "check_argv requires --config and --workdir before absl sees --help",
-    "export": "check_argv requires --workdir and --out before absl sees --help",
-}
-
-
 @pytest.fixture(scope="module")
 def help_outputs():
     procs = {m: subprocess.Popen([sys.executable, "-m", f"launch.{m}", "--help"], cwd=ROOT,
@@ -151,9 +137,7 @@ def test_the_readme_names_launch_commands():
     assert {"train", "memory", "export", "evaluate"} <= set(_MODULES)
 
 
-@pytest.mark.parametrize("module", [
-    pytest.param(m, marks=pytest.mark.xfail(strict=True, reason=_HELP_REFUSED[m]))
-    if m in _HELP_REFUSED else m for m in _MODULES])
+@pytest.mark.parametrize("module", _MODULES)
 def test_every_launch_command_in_the_readme_prints_its_help(module, help_outputs):
     returncode, stdout, stderr = help_outputs[module]
     assert returncode in (0, 1) and "Try --helpfull" in stdout and "flags:" in stdout, (
