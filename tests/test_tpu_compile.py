@@ -35,8 +35,9 @@ def _memory_cli(*args, tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_on_tpu(tmp_path_factory):
-    """One compile of the tiny config's update and sampler for 8 v5e chips, shared by the tests."""
-    return _memory_cli("--target", TARGET, tmp_path=tmp_path_factory.mktemp("tpu"))
+    """One compile of the tiny config's update and sampler for 8 v5e chips, shared by the tests;
+    ``--explain`` reads the TPU compiler's own buffer assignment, as it reads XLA:CPU's."""
+    return _memory_cli("--target", TARGET, "--explain", "3", tmp_path=tmp_path_factory.mktemp("tpu"))
 
 
 def test_tiny_update_and_sampler_compile_for_a_tpu_slice(tiny_on_tpu):
@@ -55,6 +56,9 @@ def test_tiny_update_and_sampler_compile_for_a_tpu_slice(tiny_on_tpu):
     footprint = plan["footprint"][step["optimizer"]]
     assert footprint["rollout"] >= step["params"] + step["opt_state"] + rollout["temporaries"]
     assert result.stdout.strip().splitlines()[-1].startswith("fits: logra RL footprint")
+    lines = result.stdout.splitlines()
+    explain = lines.index(next(line for line in lines if line.startswith("largest buffers live")))
+    assert all(float(line.split()[0]) > 0 for line in lines[explain + 1:explain + 4])
     # No libtpu warnings about metadata servers or worker hostnames on a machine without TPUs.
     assert "TPU_WORKER_HOSTNAMES" not in result.stderr
 
