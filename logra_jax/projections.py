@@ -125,6 +125,57 @@ def projection(key: jax.Array, rank: int, in_dim: int, distribution: Distributio
     return (unit * scale).astype(dtype)
 
 
+@dataclasses.dataclass(frozen=True)
+class KernelLayout:
+    """Which axes of a kernel form the matrices LoGRA trains, when they are not (*stack, in, out).
+
+    A target's kernel is viewed as (*stack, in, out): ``stack`` axes index separate matrices (the
+    layers of a scanned stack), ``inputs`` are the axes the layer contracts with its input (in, in
+    this order, flattened), ``outputs`` the axes it produces (out, flattened). Flax's Linear needs
+    none (the default view: every leading axis is stack, then in, then out). LinearGeneral and
+    Einsum kernels do, e.g. attention's (*stack, embed, heads, head_dim): in = embed,
+    out = heads·head_dim. The axes are a permutation of the kernel's; ``to_matrix`` and
+    ``from_matrix`` move between the two forms (only reshapes when the axes are in that order).
+    """
+
+    stack: tuple[int, ...]
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+
+    def __post_init__(self):
+        axes = self.stack + self.inputs + self.outputs
+        if sorted(axes) != list(range(len(axes))) or not self.inputs or not self.outputs:
+            raise ValueError(f"KernelLayout{self.stack, self.inputs, self.outputs}: stack, inputs "
+                             f"and outputs must split the kernel's axes, with at least one in and "
+                             f"one out axis")
+
+    @property
+    def ndim(self) -> int:
+        return len(self.stack) + len(self.inputs) + len(self.outputs)
+
+    def matrix_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """(*stack, in, out) of a kernel of this ``shape``."""
+        if len(shape) != self.ndim:
+            raise ValueError(f"a kernel of shape {tuple(shape)} does not have the {self.ndim} "
+                             f"axes of {self}")
+        return (tuple(shape[a] for a in self.stack) + (math.prod(shape[a] for a in self.inputs),)
+                + (math.prod(shape[a] for a in self.outputs),))
+
+    def to_matrix(self, kernel: jax.Array) -> jax.Array:
+        """The kernel as (*stack, in, out)."""
+        order = self.stack + self.inputs + self.outputs
+        moved = kernel if order == tuple(range(kernel.ndim)) else jnp.transpose(kernel, order)
+        return moved.reshape(self.matrix_shape(kernel.shape))
+
+    def from_matrix(self, matrix: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+        """A (*stack, in, out) matrix back in the kernel's own ``shape``."""
+        order = self.stack + self.inputs + self.outputs
+        moved = matrix.reshape(tuple(shape[a] for a in order))
+        if order == tuple(range(len(order))):
+            return moved
+        return jnp.transpose(moved, tuple(order.index(a) for a in range(len(order))))
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SketchProbe:

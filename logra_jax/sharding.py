@@ -206,17 +206,26 @@ def batch_sharding(mesh: Mesh, rows: int) -> NamedSharding:
 # ----------------------------------------------------------------------------------------------
 # Layouts of things shaped like the params: optimizer state and sketches
 # ----------------------------------------------------------------------------------------------
-def sharding_without_in_dim(param, keep_last: bool) -> NamedSharding | None:
+def sharding_without_in_dim(param, keep_last: bool, layout=None) -> NamedSharding | None:
     """The param's NamedSharding with its ``in`` entry dropped (for v and sketches), if it has one.
 
     ``keep_last`` appends a replicated entry (the rank dim of a sketch). Only concrete arrays carry
-    a sharding; under tracing this returns None and XLA's propagation decides.
+    a sharding; under tracing this returns None and XLA's propagation decides. ``layout``
+    (projections.KernelLayout) names the stack, in and out axes of a kernel that is not
+    (*stack, in, out); its out axes become one, which keeps the first out axis's mesh axes when the
+    others are unsharded (a row-major flattening keeps those blocks contiguous), else none.
     """
     sharding = getattr(param, "sharding", None)
     if not isinstance(sharding, NamedSharding) or isinstance(param, jax.core.Tracer):
         return None
     spec = tuple(sharding.spec) + (None,) * (param.ndim - len(sharding.spec))
-    new = spec[:-2] + spec[-1:] + ((None,) if keep_last else ())
+    if layout is None:
+        new = spec[:-2] + spec[-1:]
+    else:
+        first, *rest = (spec[a] for a in layout.outputs)
+        out = first if all(e is None for e in rest) else None
+        new = tuple(spec[a] for a in layout.stack) + (out,)
+    new = new + ((None,) if keep_last else ())
     return NamedSharding(sharding.mesh, PartitionSpec(*new))
 
 

@@ -15,7 +15,7 @@ LAYERS = [
     {"tree_paths", "projections", "config", "metrics", "distributed", "host_arrays", "checkpoint"},
     {"sharding"},
     {"optim", "models", "data"},
-    {"model_shapes"},
+    {"model_shapes", "nnx_sketch"},
     {"rl"},
     {"perf"},
 ]

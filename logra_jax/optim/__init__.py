@@ -21,7 +21,7 @@ from logra_jax.optim.low_rank import LowRankUpdate, apply_updates, apply_updates
 from logra_jax.optim.predicted_kl import (PredictedKLState, exact_kl, exact_kl_from_hidden,
                                           kl_budget_schedule, make_candidate_kl, make_predict_kl,
                                           predicted_kl_from_tangent, scale_by_predicted_kl)
-from logra_jax.projections import SketchProbe, projection, projection_keys
+from logra_jax.projections import KernelLayout, SketchProbe, projection, projection_keys
 from logra_jax.optim.row_adam import RowAdamState, scale_by_row_adam
 from logra_jax.optim.targets import (DEFAULT_TARGETS, SketchSpec, TargetInfo, make_probes,
                                      merge_targets, probe_factors, split_targets, with_factors,
@@ -31,7 +31,7 @@ from logra_jax.optim.transforms import (clip_by_reconstructed_norm, scale_by_ste
                                         skip_nonfinite_gradients, to_low_rank_updates)
 
 __all__ = [
-    "DEFAULT_TARGETS", "LOGRA_STATIC_ARGS", "LowRankUpdate", "PredictedKLState", "RowAdamState",
+    "DEFAULT_TARGETS", "KernelLayout", "LOGRA_STATIC_ARGS", "LowRankUpdate", "PredictedKLState", "RowAdamState",
     "SketchProbe", "SketchSpec", "TargetInfo", "apply_updates", "apply_updates_counting_changes", "clip_by_reconstructed_norm",
     "exact_kl", "exact_kl_from_hidden", "kl_budget_schedule", "logra", "logra_metrics",
     "make_candidate_kl", "make_predict_kl", "make_probes",

@@ -111,6 +111,7 @@ def logra(*, variant: str = "grpo",
           max_grad_norm: float | None = None,
           rank: int = 256, b2: float = 0.95, eps: float = 1e-8, seed: int = 42,
           refresh: bool = True, distribution: str = "rademacher", targets: str = DEFAULT_TARGETS,
+          layouts=(),
           others: str | None = None,
           others_learning_rate: optax.ScalarOrSchedule = 5e-6, others_weight_decay: float = 0.01,
           others_warmup_steps: int = 50,
@@ -134,7 +135,9 @@ def logra(*, variant: str = "grpo",
       max_grad_norm: clip on the reconstructed global norm (grad_norm is reported either way);
         None: the variant's default — 1.0 for grpo, no clipping for kl (as the reference);
         inf: no clipping.
-      rank, b2, eps, seed, refresh, distribution, targets: the sketch (SketchSpec) and RowAdam.
+      rank, b2, eps, seed, refresh, distribution, targets, layouts: the sketch (SketchSpec) and
+        RowAdam; ``layouts`` ({path: KernelLayout}) only for kernels that are not (*stack, in, out),
+        as ``logra_jax.nnx_sketch`` finds them (``NNXSketch.logra_kwargs()`` passes all of these).
       others: "adamw" (default for grpo) or "frozen" (default for kl) for non-target params;
         others_learning_rate / others_weight_decay / others_warmup_steps configure that AdamW.
       kl_control: scale every update by the predicted-KL α (default: on for "kl", off for "grpo");
@@ -187,7 +190,7 @@ def logra(*, variant: str = "grpo",
         raise ValueError("weight_decay applies only to variant='grpo' (the KL variant has no "
                          f"learning rate to scale it by), got weight_decay={weight_decay!r}")
     spec = SketchSpec(targets=targets, rank=rank, seed=seed, distribution=distribution,
-                      refresh=refresh)
+                      refresh=refresh, layouts=layouts)
 
     if variant == "grpo":
         target_tx = optax.chain(scale_by_row_adam(spec, variant="grpo", b2=b2, eps=eps),

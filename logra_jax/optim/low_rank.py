@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from logra_jax.optim.order_free import order_free_matmul, rounded
 from logra_jax.optim.rounding import round_to
-from logra_jax.projections import SIGN_DISTRIBUTIONS, projection, projection_parts
+from logra_jax.projections import SIGN_DISTRIBUTIONS, KernelLayout, projection, projection_parts
 
 _HIGHEST = jax.lax.Precision.HIGHEST  # fp32 arithmetic on every backend (no TF32/bf16 passes)
 
@@ -86,6 +86,10 @@ class LowRankUpdate:
         backend and CPU kind, two exact dots for a Rademacher A), which a receiver that replays
         the merge (a factors sync) needs; False — one plain fp32 dot, whose last bits depend on
         how the backend sums over r (fine where the merged weights are the only copy).
+      layout: static; for a kernel that is not (*stack, in, out) (SketchSpec.layouts), which of
+        its axes are stack, in and out: the merge works on ``layout.to_matrix(kernel)`` and gives
+        the kernel back in its own shape (a transposed copy when the in axes are not all before
+        the out axes, e.g. an Einsum kernel (heads, embed, head_dim); else reshapes only).
 
     ``params + update`` (what ``optax.apply_updates`` does) materialises this leaf's ΔW; use
     ``apply_updates`` of this module to merge one layer at a time instead. Transforms placed after
@@ -98,6 +102,7 @@ class LowRankUpdate:
     distribution: str = dataclasses.field(default="rademacher", metadata=dict(static=True))
     rounding: str = dataclasses.field(default="nearest", metadata=dict(static=True))
     exact: bool = dataclasses.field(default=True, metadata=dict(static=True))
+    layout: KernelLayout | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     __array_ufunc__ = None  # make numpy defer `ndarray + LowRankUpdate` to __radd__
     tree_path_leaf = True   # one leaf for tree_paths.leaves_with_paths, not its factor and key
@@ -123,6 +128,10 @@ class LowRankUpdate:
         costs one comparison per entry and no copy of the old weights. For bf16 kernels under
         round-to-nearest it shows how much of an update vanished below half an ulp.
         """
+        if self.layout is not None:
+            merged, changed = dataclasses.replace(self, layout=None).merge_counting_changes(
+                self.layout.to_matrix(kernel))
+            return self.layout.from_matrix(merged, kernel.shape), changed
         _check_kernel(kernel, self)
         if not self.stack_shape:
             merged = _merge_one(kernel, self.factor, self.key, self.weight_scale,
@@ -146,6 +155,10 @@ class LowRankUpdate:
         return kernels.reshape(kernel.shape), changed
 
     def __radd__(self, kernel):
+        if self.layout is not None:
+            kernel = jnp.asarray(kernel)
+            merged = dataclasses.replace(self, layout=None).__radd__(self.layout.to_matrix(kernel))
+            return self.layout.from_matrix(merged, kernel.shape)
         _check_kernel(kernel, self)
         kernel = jnp.asarray(kernel)
         delta = self.delta_kernel(kernel.shape[-2])

@@ -51,7 +51,8 @@ def as_sketch(grad: jax.Array, info: TargetInfo, spec: SketchSpec, update_index)
         return grad.astype(jnp.float32)
     if shape == info.kernel_shape:
         keys = spec.keys(info, update_index)
-        return low_rank.sketch_dense(grad, keys, info.rank, spec.distribution, info.stack_shape)
+        return low_rank.sketch_dense(info.to_matrix(grad), keys, info.rank, spec.distribution,
+                                     info.stack_shape)
     raise ValueError(f"gradient of target {info.path!r} has shape {shape}; expected the sketch "
                      f"{info.sketch_shape} (from make_probes) or the dense kernel gradient "
                      f"{info.kernel_shape}")
@@ -100,7 +101,8 @@ def scale_by_row_adam(spec: SketchSpec = SketchSpec(), *, variant: str = "grpo",
             if path not in targets:
                 return optax.MaskedNode()
             return jnp.zeros(targets[path].row_shape, jnp.float32,
-                             device=sharding_without_in_dim(p, keep_last=False))
+                             device=sharding_without_in_dim(p, keep_last=False,
+                                                            layout=targets[path].layout))
         zero = jnp.zeros([], jnp.int32)
         return RowAdamState(count=zero, update_index=spec.projection_index(zero),
                             v=map_with_paths(zeros, params))

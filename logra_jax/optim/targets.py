@@ -3,6 +3,8 @@
 A *target* is a parameter whose '/'-joined path matches ``SketchSpec.targets`` (by default the
 q/k/v/o/gate/up/down projection kernels). Its leaf has Flax kernel layout (*stack, in, out) with
 W = kernelᵀ; a scanned stack of layers adds leading ``stack`` dims and every layer gets its own A.
+A kernel of another shape (LinearGeneral, Einsum: e.g. (embed, heads, head_dim)) is named in
+``SketchSpec.layouts`` by a ``KernelLayout`` that says which of its axes are stack, in and out.
 
 One gradient step of a trainer, with these helpers::
 
@@ -25,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from logra_jax.projections import DISTRIBUTIONS, SketchProbe, projection_keys
+from logra_jax.projections import DISTRIBUTIONS, KernelLayout, SketchProbe, projection_keys
 from logra_jax.sharding import sharding_without_in_dim
 from logra_jax.tree_paths import leaves_with_paths, map_with_paths, path_str
 
@@ -35,17 +37,29 @@ DEFAULT_TARGETS = r"(^|/)(q|k|v|o|gate|up|down)_proj/kernel$"
 
 @dataclasses.dataclass(frozen=True)
 class TargetInfo:
-    """Static facts about one target: kernel (*stack, in, out), sketch (*stack, out, rank)."""
+    """Static facts about one target: kernel (*stack, in, out), sketch (*stack, out, rank).
+
+    With a ``layout`` the kernel has its own ``shape`` and is the (*stack, in, out) matrix
+    ``layout.to_matrix(kernel)``; in and out are then products of several of its axes.
+    """
 
     path: str
     stack_shape: tuple[int, ...]
     in_dim: int
     out_dim: int
     rank: int
+    layout: KernelLayout | None = None
+    shape: tuple[int, ...] | None = None
 
     @property
     def kernel_shape(self) -> tuple[int, ...]:
+        if self.shape is not None:
+            return self.shape
         return self.stack_shape + (self.in_dim, self.out_dim)
+
+    def to_matrix(self, kernel: jax.Array) -> jax.Array:
+        """A kernel-shaped array (the kernel, its dense gradient) as (*stack, in, out)."""
+        return kernel if self.layout is None else self.layout.to_matrix(kernel)
 
     @property
     def sketch_shape(self) -> tuple[int, ...]:
@@ -69,6 +83,8 @@ class SketchSpec:
       distribution: "rademacher" (±1/√r from hashed signs, default), "rademacher_threefry" (±1/√r,
         jax.random.rademacher's stream) or "gaussian" (N(0, 1/r)).
       refresh: draw a fresh A after every update (k advances); False keeps A at k = 0 forever.
+      layouts: {target path: KernelLayout} for kernels that are not (*stack, in, out) — what
+        ``logra_jax.nnx_sketch`` finds for LinearGeneral and Einsum layers (stored as sorted pairs).
     """
 
     targets: str = DEFAULT_TARGETS
@@ -76,6 +92,7 @@ class SketchSpec:
     seed: int = 42
     distribution: str = "rademacher"
     refresh: bool = True
+    layouts: tuple[tuple[str, KernelLayout], ...] = ()
 
     def __post_init__(self):
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank <= 0:
@@ -93,12 +110,23 @@ class SketchSpec:
             raise ValueError(f"targets is not a valid regex ({err}): {self.targets!r}") from None
         if not isinstance(self.refresh, bool):
             raise ValueError(f"refresh must be a bool, got {self.refresh!r}")
+        layouts = dict(self.layouts or ())
+        for path, layout in layouts.items():
+            if not isinstance(path, str) or not isinstance(layout, KernelLayout):
+                raise ValueError(f"layouts must map target paths to KernelLayouts, got "
+                                 f"{path!r}: {layout!r}")
+        object.__setattr__(self, "layouts", tuple(sorted(layouts.items())))
 
     def is_target(self, path: str) -> bool:
         return re.search(self.targets, path) is not None
 
     def info(self, path: str, shape: tuple[int, ...]) -> TargetInfo:
         """TargetInfo of a target leaf; ValueError if it is not a (stack of) matrices."""
+        layout = dict(self.layouts).get(path)
+        if layout is not None:
+            *stack, in_dim, out_dim = layout.matrix_shape(tuple(int(d) for d in shape))
+            return TargetInfo(path, tuple(stack), in_dim, out_dim, min(self.rank, in_dim),
+                              layout=layout, shape=tuple(int(d) for d in shape))
         if len(shape) < 2:
             raise ValueError(f"target {path!r} has shape {tuple(shape)}, not a matrix: the targets "
                              f"pattern {self.targets!r} must match only 2-D (or stacked) kernels")
@@ -117,6 +145,9 @@ class SketchSpec:
             examples = ", ".join(repr(p) for p, _ in leaves[:6])
             raise ValueError(f"targets pattern {self.targets!r} matched no parameter; "
                              f"parameter paths look like: {examples}")
+        stray = [path for path, _ in self.layouts if path not in found]
+        if stray:
+            raise ValueError(f"layouts name {stray}, which are not targets of these params")
         for info in found.values():
             if info.sketch_shape == info.kernel_shape:
                 raise ValueError(
@@ -150,8 +181,8 @@ def make_probes(params, update_index: jax.Array | int, spec: SketchSpec,
     kernels = dict(leaves_with_paths(params))
     probes = {}
     for path, info in spec.find_targets(params).items():
-        factor = jnp.zeros(info.sketch_shape, dtype,
-                           device=sharding_without_in_dim(kernels[path], keep_last=True))
+        factor = jnp.zeros(info.sketch_shape, dtype, device=sharding_without_in_dim(
+            kernels[path], keep_last=True, layout=info.layout))
         probes[path] = SketchProbe(key=spec.keys(info, k), factor=factor,
                                    distribution=spec.distribution, factor_is_zero=True)
     return probes

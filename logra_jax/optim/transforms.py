@@ -220,7 +220,7 @@ def to_low_rank_updates(spec: SketchSpec = SketchSpec(), *,
             factor = u if factor_dtype is None else u.astype(factor_dtype)
             return LowRankUpdate(factor=factor, key=spec.keys(info, k), weight_scale=weight_scale,
                                  distribution=spec.distribution, rounding=merge_rounding,
-                                 exact=exact_merge)
+                                 exact=exact_merge, layout=info.layout)
 
         return (map_with_paths(wrap, updates),
                 LowRankState(count=optax.safe_increment(state.count), update_index=spec.next_index(k)))
