@@ -1,4 +1,4 @@
-"""The learning comparison (README "Which optimizer learns best?"): SmolLM2-135M, one task, five optimizers.
+"""The learning comparison (docs/results/learning.md): SmolLM2-135M, one task, five optimizers.
 
 The default job's task (two one-digit terms) is learnt mostly as an answer format and flattens after
 a few updates, so this one mixes in two-digit terms: reasoning-gym chain_sum, two terms of 1–2

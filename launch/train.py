@@ -7,7 +7,7 @@ The workdir receives metrics.jsonl, TensorBoard events and orbax checkpoints; ru
 command again resumes from the latest complete checkpoint. One run at a time holds a workdir, and
 a run that cannot continue what a workdir holds is refused (``--fresh`` moves that aside and starts
 over; docs/reliability.md). On several hosts every one runs the same command with its
-``--config.distributed.*`` (README "More than one machine"; ``bash launch/local_cluster.sh N
+``--config.distributed.*`` (docs/distributed.md; ``bash launch/local_cluster.sh N
 python -m launch.train ...`` tries it on one machine).
 """
 

@@ -333,7 +333,7 @@ def test_attention_writes_no_transposed_copy_of_the_scores():
     layouts) with and without a cache. With K and V as the projections' [b, S, kv_heads, d],
     XLA:CPU laid the scores out as [b, kv_heads, S, (t, group)] and wrote a transposed copy of
     the b·H·t·S scores around the products: twice in the forward, four times more in the
-    recomputed forward and backward (README "Step time"). The forward must write none; the
+    recomputed forward and backward (docs/results/step_time.md). The forward must write none; the
     backward at most one (the softmax gradient's, which XLA lays out on its own)."""
     config = tiny(num_layers=1, remat=True)
     model = Decoder(config, rngs=nnx.Rngs(0))

@@ -244,7 +244,7 @@ def test_bad_input_is_rejected(setup):
 
 def test_sampler_bench_compares_decode_modes_side_by_side():
     """launch.sampler_bench on the tiny model: one row per decode mode, the second timed against
-    the first (the README's figures come from the same command on SmolLM2)."""
+    the first (docs/results/sampler.md's figures come from the same command on SmolLM2)."""
     import pathlib
     import subprocess
     import sys

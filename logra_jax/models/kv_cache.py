@@ -19,7 +19,7 @@ class KVCache:
            q·K (contracting head_dim) and weights·V (contracting S); with both as [b, S, kv, d]
            it wrote a transposed copy of each layer's whole K and V before those products, and
            ran them as slow general dots (SmolLM2 at batch 16: attention's products 17 → 4 ms
-           of a decode step in a per-operation profile; README "Rollout speed").
+           of a decode step in a per-operation profile; docs/results/sampler.md).
     index: int32 scalar, the next slot to write (may be traced: writes use dynamic_update_slice).
     mask:  bool [b, S], True where a slot holds a real token (padding and unwritten slots are False).
 

@@ -32,7 +32,7 @@ def times_factor_t(xa: jax.Array, factor: jax.Array) -> jax.Array:
     backward pass then computes (x·Aᵀ)ᵀH, r × out, and transposes that small result. Without
     the barrier, XLA folds the transpose into the product and writes Hᵀ(x·Aᵀ), out × r, directly.
     XLA:CPU runs that form 1.2–1.4× slower at r = 256 and up to 3× slower at r = 32 (2048 tokens,
-    out = 256–6144; README "Step time"). The value is the same product either way, to rounding.
+    out = 256–6144; docs/results/step_time.md). The value is the same product either way, to rounding.
     """
     return xa @ jax.lax.optimization_barrier(factor.T)
 
@@ -44,7 +44,7 @@ def sketch_tangent(xa: jax.Array, dfactor: jax.Array) -> jax.Array:
     stored transposed, r × T, behind optimization barriers, so that product reads (x·Aᵀ)ᵀ as it
     lies in memory: a canonical product (the left operand contracted over its last dim, the right
     over its first), which XLA:CPU hands to YNNPACK, while any other layout of it runs as an
-    Eigen dot, 2.7× slower over a whole update at width 2048, r = 256 (README "Step time"). As
+    Eigen dot, 2.7× slower over a whole update at width 2048, r = 256 (docs/results/step_time.md). As
     in ``times_factor_t`` the barrier on dBᵀ keeps the result r × out, transposed after. The
     transposed copy costs T·r reads and writes, small beside the product's T·r·out operations.
     Forward mode (the predicted-KL JVP, once per update) reads the copy transposed back.
@@ -73,7 +73,7 @@ def weights_major_product(weights: jax.Array, x: jax.Array, **dot_kwargs) -> jax
     Why: for a few rows XLA:CPU multiplies a matrix read this way much faster than x·weightsᵀ,
     the form XLA's algebraic simplifier prefers (it swaps the operands of a transposed product).
     A 30-layer chain of SmolLM2's seven projections at 16 rows: 31.7 vs 52.2 ms; the tied head
-    (49 152 × 576) at 16 rows: 9.7 vs 16.5 ms (README "Rollout speed"). The optimization barrier
+    (49 152 × 576) at 16 rows: 9.7 vs 16.5 ms (docs/results/sampler.md). The optimization barrier
     keeps the product in this form.
     """
     return jax.lax.optimization_barrier(jnp.matmul(weights, x.T, **dot_kwargs))

@@ -118,7 +118,7 @@ def grouped_query_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.
     (True = may attend); scale defaults to 1/√d. With k and v as [b, S, KV, d] (the
     projections' own layout) XLA:CPU laid the scores out as [b, KV, S, (t, group)] and wrote a
     transposed copy of them, and of q with the group dim innermost, around every product, in the
-    forward, the recomputed forward and the backward (README "Step time").
+    forward, the recomputed forward and the backward (docs/results/step_time.md).
     With one query per row (a decode step) the products, ~10⁶ operations each, are a broadcast
     multiply and a sum instead: XLA:CPU's matmul kernels cost more per call than that (SmolLM2's
     30 layers at batch 16: 7.9 vs 9.6 ms over 96 cache slots, 36 vs 64 ms over 512).
@@ -278,7 +278,7 @@ class Decoder(nnx.Module):
         With a tied head the table E (V × d) is W_headᵀ as stored, and (hidden·Eᵀ)ᵀ = E·hiddenᵀ
         runs weights-major (`linear.weights_major_product`): 1.7× faster at 16 rows on XLA:CPU.
         The sampler's draw then reduces over the vocabulary with the batch contiguous, which is
-        also faster than over rows of a [b, V] array (README "Rollout speed").
+        also faster than over rows of a [b, V] array (docs/results/sampler.md).
         """
         if self.lm_head is not None:
             return self.logits(hidden).T

@@ -188,7 +188,7 @@ def _delta_one(u, key, in_dim, distribution, exact=True):
     are materialised transposed (unitᵀ is generated in that order: the hash fuses into the
     transpose) so that the product is canonical, (in × r)·(r × out), which XLA:CPU runs through
     YNNPACK; written as unitᵀ·(s·U)ᵀ over the untransposed arrays it is an Eigen dot (the merge
-    alone at width 2048: 0.93 of the time; README "Step time").
+    alone at width 2048: 0.93 of the time; docs/results/step_time.md).
     """
     unit, scale = projection_parts(key, u.shape[-1], in_dim, distribution)    # (r, in)
     scaled = rounded(rounded(u).astype(jnp.float32) * scale)

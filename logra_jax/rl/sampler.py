@@ -104,7 +104,7 @@ def gumbel_max(key: jax.Array, logits: jax.Array, *, vocab_axis: int = -1) -> ja
     u ∈ [2⁻²⁵, 1 − 2⁻²⁵], so g ∈ [−2.85, 17.33] (a standard Gumbel leaves that range with
     probability 3·10⁻⁸). Why not `jax.random.categorical`, which does the same with threefry
     bits: XLA's CPU backend runs threefry as a loop of rounds, ~16 ms of a 100 ms SmolLM2 decode
-    step at batch 16 (README "Rollout speed"); hashed bits fuse into the argmax. Like
+    step at batch 16 (docs/results/sampler.md); hashed bits fuse into the argmax. Like
     threefry's, they are a function of the key and each logit's global position, so a batch
     split over other devices or processes draws the same tokens. Gumbel-max, not an inverse-CDF
     draw: a last-bit change of the logits (another layout sums in another order) flips its token
@@ -151,7 +151,7 @@ class Sampler:
         and each decode step runs the layers one after the other on those arrays. XLA's CPU
         backend copies a scanned layer's weights out of the stack before every dot, so a stacked
         decode step moves each weight three times (measured 1.3× faster per_layer at batch 16 on
-        SmolLM2, README "Rollout speed"); the price is a second copy of the layer weights while
+        SmolLM2, docs/results/sampler.md); the price is a second copy of the layer weights while
         sampling, and a longer compile. "auto" (default): per_layer on CPU, stacked elsewhere.
     """
 
