@@ -12,6 +12,7 @@ Three things differ from a Hugging Face checkpoint:
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import pathlib
 
@@ -55,6 +56,17 @@ def smollm2_gguf_path() -> pathlib.Path:
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found inside the {SMOLLM2_PACKAGE} package")
     return path
+
+
+@functools.cache
+def smollm2_tokenizer() -> Tokenizer:
+    """SmolLM2's tokenizer (the tiny config's), read once per process.
+
+    ``gguf.GGUFReader`` takes seconds on this file: it maps each of the 49k tokens and 48k merges
+    into its own array view. A `Tokenizer` is never mutated after construction, so one instance
+    serves every model built in the process (tests build dozens).
+    """
+    return tokenizer_from_gguf(gguf.GGUFReader(smollm2_gguf_path()))
 
 
 def unpermute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
