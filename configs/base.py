@@ -108,6 +108,7 @@ def get_config() -> ml_collections.ConfigDict:
         failure_reward=-0.01, baseline_momentum=0.9, is_cap=2.0,   # reinforce only
         format_reward_weight=0.0,
         decode_weights="auto",            # sampler: "per_layer" | "stacked"; auto: per_layer on CPU
+        rollout_micro_batch=0,            # sampler rows per pass (KV cache holds one pass); 0: all
     ))
 
     # `name` picks the section that builds the optimizer; each section's keys are the keyword

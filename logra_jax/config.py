@@ -196,6 +196,7 @@ VALUE_RULES: dict[str, Rule] = {
     "rl.advantage_baseline": one_of(*ADVANTAGE_BASELINES), "rl.micro_batch_size": POSITIVE_INT,
     "rl.failure_reward": FINITE, "rl.baseline_momentum": DECAY, "rl.is_cap": POSITIVE_OR_INF,
     "rl.format_reward_weight": FINITE, "rl.decode_weights": one_of(*DECODE_WEIGHTS),
+    "rl.rollout_micro_batch": NONNEGATIVE_INT,
     "optimizer.name": one_of(*OPTIMIZERS), "optimizer.warmup_steps": NONNEGATIVE_INT,
     "optimizer.probe_size": POSITIVE_INT, "optimizer.max_consecutive_skips": POSITIVE_INT,
     "optimizer.max_weight_norm_growth": Rule("a number > 1 (a multiple of the initial weight norm)",
@@ -284,9 +285,10 @@ def ignored_options(config: ml_collections.ConfigDict,
 
 # Keys a resumed run may change: they do not change what the saved state means. The process layout
 # is one of them (each process of a run has its own process_id; the checkpoint holds global arrays),
-# and so is how the sampler reads its weights (rl.decode_weights: the same model, another loop).
+# and so is how the sampler reads its weights and how many rows it decodes at once
+# (rl.decode_weights, rl.rollout_micro_batch: the same model and draws, another loop).
 RESUMABLE_CHANGES = ("max_steps", "log.", "checkpoint.every", "checkpoint.keep", "distributed.",
-                     "rl.decode_weights")
+                     "rl.decode_weights", "rl.rollout_micro_batch")
 
 
 def flatten(tree: dict, prefix: str = "") -> dict[str, object]:

@@ -161,6 +161,43 @@ def test_per_layer_decode_matches_the_scanned_stack():
                 decode_weights="unrolled")
 
 
+def test_passes_of_rows_draw_the_one_pass_tokens_in_less_memory(setup):
+    """rows_per_pass (rl.rollout_micro_batch): 16 rows of an 8-device batch in passes of 8 draw the
+    tokens one pass draws for the same key (the noise of each row comes from its place in the whole
+    batch), rows ending at different steps, while the compiled program holds a smaller KV cache."""
+    from jax.sharding import NamedSharding, PartitionSpec
+    from logra_jax.sharding import make_mesh
+    policy, params, *_ = setup
+    rng = np.random.default_rng(0)
+    prompts = [list(rng.integers(1, 90, size=rng.integers(1, PROMPT_LEN + 1))) for _ in range(16)]
+    rows = NamedSharding(make_mesh({"fsdp": 8}), PartitionSpec("fsdp"))
+    tokens, mask = jax.device_put(pad_prompts(prompts, PROMPT_LEN, PAD), rows)
+    args = (params, tokens, mask, jax.random.PRNGKey(3), jnp.float32(1.0))
+    outs, temporaries = [], []
+    for per_pass in (0, 8):
+        sampler = Sampler(policy, max_prompt_length=PROMPT_LEN, max_completion_length=2 * STEPS,
+                          eos_ids=list(range(3, 96, 9)), pad_id=PAD, rows_per_pass=per_pass)
+        compiled = sampler._generate.lower(*args, top_k=0, top_p=1.0, greedy=False).compile()
+        outs.append(compiled(*args))
+        temporaries.append(compiled.memory_analysis().temp_size_in_bytes)
+    one, passes = outs
+    lengths = np.asarray(one.mask).sum(axis=1)
+    assert len(set(lengths.tolist())) > 2, lengths   # rows end at different steps
+    for field in ("tokens", "mask", "finished", "prompt_tokens", "prompt_mask"):
+        np.testing.assert_array_equal(getattr(passes, field), getattr(one, field), err_msg=field)
+    # Log-probs: the same arithmetic on a batch of another size (a kernel may block it otherwise).
+    np.testing.assert_allclose(passes.logprobs, one.logprobs, atol=1e-5)
+    assert passes.tokens.sharding.is_equivalent_to(rows, 2)
+    # Half the rows per pass: at least half of one pass's KV cache (keys and values, fp32, 2 of the
+    # 16 rows per device) is not held any more.
+    c = policy.bind(params).config
+    kv_cache = 2 * c.num_layers * 2 * (PROMPT_LEN + 2 * STEPS) * c.num_kv_heads * c.head_dim * 4
+    assert temporaries[0] - temporaries[1] >= kv_cache // 2, (temporaries, kv_cache)
+    with pytest.raises(ValueError, match="does not split into passes of rows_per_pass=3"):
+        Sampler(policy, max_prompt_length=PROMPT_LEN, max_completion_length=STEPS, eos_ids=[95],
+                pad_id=PAD, rows_per_pass=3).generate(params, tokens, mask, jax.random.PRNGKey(0))
+
+
 def test_filters():
     logits = jnp.log(jnp.asarray([[0.5, 0.3, 0.15, 0.05]]))
     kept = lambda x: np.isfinite(np.asarray(x)) & (np.asarray(x) > -1e29)

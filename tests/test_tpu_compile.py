@@ -93,3 +93,22 @@ def test_a_plan_over_the_budget_is_one_line_and_a_nonzero_exit(tmp_path):
     assert f"HBM per device on {TARGET}" in last and "Traceback" not in result.stderr
     needed = float(last.split(" needs ")[1].split(" GiB")[0])
     assert needed > tpu.target(TARGET).hbm_per_device / 2 ** 30
+
+
+def test_passes_of_rows_fit_the_rollout_batch_the_compiler_refused():
+    """The lever for a rollout batch over the budget: the 8192 rows the test above cannot fit, in
+    passes of 256 rows (rl.rollout_micro_batch), hold one pass's KV cache and prefill buffers and
+    fit the chip (measured: one pass needs 179 GiB per chip, passes of 1024 rows 22.4, of 256 8.7)."""
+    from configs import tiny
+    from logra_jax.perf import memory
+    from logra_jax.rl.build import build_mesh
+    config = tiny.get_config()
+    config.data.prompts_per_step = 4096
+    config.rl.update(max_prompt_length=448, max_completion_length=64, rollout_micro_batch=256)
+    config.model.tiny.head_dim = 2048
+    target = tpu.target(TARGET)
+    mesh = build_mesh({"fsdp": target.devices, "tensor": 1}, tpu.devices(target))
+    rollout = memory.rollout_step_memory(config, mesh)
+    assert (rollout.rows, rollout.rows_per_pass) == (8192, 256)
+    one_pass_cache = 8192 * 512 * 2 * 2048 * 2 * 4 * config.model.tiny.num_layers // 8  # f32 K+V
+    assert rollout.peak < target.hbm_per_device < one_pass_cache

@@ -247,8 +247,9 @@ class LoopMemory:
     reference: the frozen reference policy (bf16, on the training devices) when beta > 0.
     sampler_weights: the rollout engine's bf16 weights, on the rollout devices (0 when a colocated
       sampler reads the policy's bf16 params themselves).
-    kv_cache: the sampler's cache for one rollout batch (compute dtype), on the rollout devices;
-      it exists only while sampling.
+    kv_cache: the sampler's cache for one pass over the rollout batch (compute dtype; the whole
+      batch, or ``rl.rollout_micro_batch`` rows), on the rollout devices; it exists only while
+      sampling.
     colocated: the rollout devices are the training devices (then all of it adds up there).
     """
 
@@ -281,7 +282,7 @@ def rl_resident_bytes(config: ml_collections.ConfigDict, training: Mesh, rollout
     model = abstract_model(model_config)
     rl = config.rl
     reference = device_bytes(_bf16(abstract_params(model, training))) if rl.beta > 0 else 0
-    rows = config.data.prompts_per_step * rl.num_generations
+    rows = rl.rollout_micro_batch or config.data.prompts_per_step * rl.num_generations
     kv = kv_cache_bytes(model_config, rows, rl.max_prompt_length + rl.max_completion_length, rollout)
     colocated = set(rollout.devices.flat) == set(training.devices.flat)
     # A colocated sampler without a sync reads the policy's own params: bf16 params are its weights
@@ -299,6 +300,7 @@ class RolloutMemory:
     decode's activations and logits)."""
 
     rows: int
+    rows_per_pass: int    # rl.rollout_micro_batch, or all rows: what the KV cache holds at once
     weights: int          # from shapes and shardings: the sampler's weights among the arguments
     arguments: int        # XLA
     outputs: int          # XLA
@@ -323,7 +325,7 @@ def rollout_step_memory(config: ml_collections.ConfigDict, mesh: Mesh, *,
     rows = config.data.prompts_per_step * rl.num_generations
     sampler = Sampler(policy, max_prompt_length=rl.max_prompt_length,
                       max_completion_length=rl.max_completion_length, eos_ids=[0], pad_id=0,
-                      decode_weights=decode_weights)
+                      decode_weights=decode_weights, rows_per_pass=rl.rollout_micro_batch)
     on_rows = sharding_lib.batch_sharding(mesh, rows)
     replicated = NamedSharding(mesh, P())
     tokens = jax.ShapeDtypeStruct((rows, rl.max_prompt_length), jnp.int32, sharding=on_rows)
@@ -334,7 +336,8 @@ def rollout_step_memory(config: ml_collections.ConfigDict, mesh: Mesh, *,
                                       top_p=float(rl.top_p), greedy=False)
     stats = tpu.compile_or_refuse(lowered, program=f"the sampler's generate ({rows} rows)"
                                   ).memory_analysis()
-    return RolloutMemory(rows=rows, weights=device_bytes(params),
+    return RolloutMemory(rows=rows, rows_per_pass=rl.rollout_micro_batch or rows,
+                         weights=device_bytes(params),
                          arguments=stats.argument_size_in_bytes, outputs=stats.output_size_in_bytes,
                          temporaries=stats.temp_size_in_bytes)
 
@@ -448,6 +451,8 @@ def format_table(steps: list[StepMemory], loops: list[LoopMemory] | LoopMemory |
         rows.append(("+ reference (bf16)", [gib(loop.reference) for loop in loops]))
         where = "colocated" if loops[0].colocated else f"own {loops[0].rollout_devices} devices"
         rows.append((f"sampler bf16 ({where})", [gib(loop.sampler_weights) for loop in loops]))
+        if rollouts is not None and rollouts[0].rows_per_pass < rollouts[0].rows:
+            where += f", {rollouts[0].rows_per_pass} of {rollouts[0].rows} rows per pass"
         rows.append((f"KV cache ({where})", [gib(loop.kv_cache) for loop in loops]))
         if rollouts is not None:
             rows.append((f"generate temporaries ({where}, XLA)",

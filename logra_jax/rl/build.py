@@ -71,6 +71,9 @@ def validate(config: ml_collections.ConfigDict) -> None:
     if rows % rl.micro_batch_size:
         raise ValueError(f"data.prompts_per_step × rl.num_generations = {rows} rows is not a "
                          f"multiple of rl.micro_batch_size={rl.micro_batch_size}")
+    if rl.rollout_micro_batch and rows % rl.rollout_micro_batch:
+        raise ValueError(f"data.prompts_per_step × rl.num_generations = {rows} rows is not a "
+                         f"multiple of rl.rollout_micro_batch={rl.rollout_micro_batch}")
 
 
 def build_mesh(axes, devices=None, *, spare_devices: bool = False) -> Mesh:
@@ -107,8 +110,7 @@ def build_model(cfg: ml_collections.ConfigDict, mesh: Mesh | None):
                          "`python -m launch.memory`; to train, set model.source to a local Hugging "
                          "Face folder of that model")
     if cfg.source == "tiny":
-        import gguf  # the tokenizer (with its chat template) comes from the SmolLM2 GGUF
-        tokenizer = gguf_loader.tokenizer_from_gguf(gguf.GGUFReader(gguf_loader.smollm2_gguf_path()))
+        tokenizer = gguf_loader.smollm2_tokenizer()  # with its chat template, from the SmolLM2 GGUF
         model_config = ModelConfig(vocab_size=tokenizer.vocab_size, dtype=cfg.dtype,
                                    param_dtype=cfg.param_dtype, remat=cfg.remat, **dict(cfg.tiny))
         model = Decoder(model_config, rngs=nnx.Rngs(cfg.init_seed))
@@ -300,11 +302,13 @@ def build_policy_update(config: ml_collections.ConfigDict, policy: Policy, *,
 
 
 def build_sampler(rl: ml_collections.ConfigDict, policy: Policy, tokenizer) -> Sampler:
-    """The sampler of rollouts: the config's prompt and completion lengths, EOS and padding ids."""
+    """The sampler of rollouts: the config's prompt and completion lengths, EOS and padding ids,
+    and rows per pass."""
     pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eos_id
     return Sampler(policy, max_prompt_length=rl.max_prompt_length,
                    max_completion_length=rl.max_completion_length, eos_ids=[tokenizer.eos_id],
-                   pad_id=pad_id, decode_weights=rl.decode_weights)
+                   pad_id=pad_id, decode_weights=rl.decode_weights,
+                   rows_per_pass=rl.rollout_micro_batch)
 
 
 def build_rollout_spec(config: ml_collections.ConfigDict) -> RolloutSpec:

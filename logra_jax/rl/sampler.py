@@ -91,7 +91,8 @@ def first_argmax(x: jax.Array, axis: int) -> jax.Array:
     return jnp.min(jnp.where(at_top, index, x.shape[axis]), axis=axis)
 
 
-def gumbel_max(key: jax.Array, logits: jax.Array, *, vocab_axis: int = -1) -> jax.Array:
+def gumbel_max(key: jax.Array, logits: jax.Array, *, vocab_axis: int = -1,
+               rows: jax.Array | None = None) -> jax.Array:
     """One draw per row from softmax(logits) (int32 [rows]), by the Gumbel-max trick:
 
         token = argmax_v (logits_v + g_v),   g_v = −log(−log u_v),   u_v ~ U(0, 1) independent
@@ -108,15 +109,19 @@ def gumbel_max(key: jax.Array, logits: jax.Array, *, vocab_axis: int = -1) -> ja
     threefry's, they are a function of the key and each logit's global position, so a batch
     split over other devices or processes draws the same tokens. Gumbel-max, not an inverse-CDF
     draw: a last-bit change of the logits (another layout sums in another order) flips its token
-    only at a near-tie of the two largest perturbed logits.
+    only at a near-tie of the two largest perturbed logits. ``rows`` (int32 [rows]): the row
+    each logits row stands for in a larger batch (default 0, 1, …): a batch drawn in parts
+    (`Sampler`'s ``rows_per_pass``) draws each row's noise from the same positions as one pass.
     """
     if logits.ndim != 2:
         raise ValueError(f"gumbel_max takes [rows, V] or [V, rows] logits, got shape {logits.shape}")
     vocab_axis %= 2
     check_counter_range(logits.shape)
     vocab = logits.shape[vocab_axis]
-    position = (jax.lax.broadcasted_iota(jnp.uint32, logits.shape, 1 - vocab_axis) * jnp.uint32(vocab)
-                + jax.lax.broadcasted_iota(jnp.uint32, logits.shape, vocab_axis))
+    row = jax.lax.broadcasted_iota(jnp.uint32, logits.shape, 1 - vocab_axis)
+    if rows is not None:
+        row = jnp.expand_dims(rows.astype(jnp.uint32), vocab_axis) + jnp.zeros_like(row)
+    position = row * jnp.uint32(vocab) + jax.lax.broadcasted_iota(jnp.uint32, logits.shape, vocab_axis)
     u = ((hash_positions(key, position) >> 8).astype(jnp.float32) + 0.5) * (2.0 ** -24)
     return first_argmax(logits - jnp.log(-jnp.log(u)), vocab_axis)
 
@@ -153,12 +158,22 @@ class Sampler:
         decode step moves each weight three times (measured 1.3× faster per_layer at batch 16 on
         SmolLM2, docs/results/sampler.md); the price is a second copy of the layer weights while
         sampling, and a longer compile. "auto" (default): per_layer on CPU, stacked elsewhere.
+      rows_per_pass: 0 (default) generates the whole batch in one pass. n > 0 generates it n rows at
+        a time, one pass after the other inside the same program, so the KV cache and the decode's
+        activations hold n rows (``rl.rollout_micro_batch``; what lets a 70B rollout batch of 128
+        fit one v6e-8 host, docs/results/memory.md). Pass j takes rows j, j + k, j + 2k, … (k =
+        batch / n passes): each device's own rows split among the passes, so splitting moves no
+        data between devices when n is a multiple of the batch's shards. Each row draws the same
+        noise as in one pass (`gumbel_max`'s ``rows``) and the same step keys, so the tokens are
+        the one-pass tokens wherever the model computes a row's logits independently of the
+        batch size (up to a near-tie of perturbed logits where a kernel sums in another order).
     """
 
     DECODE_WEIGHTS = ("auto", "per_layer", "stacked")
 
     def __init__(self, policy: Policy, *, max_prompt_length: int, max_completion_length: int,
-                 eos_ids: Sequence[int], pad_id: int, decode_weights: str = "auto"):
+                 eos_ids: Sequence[int], pad_id: int, decode_weights: str = "auto",
+                 rows_per_pass: int = 0):
         if max_prompt_length <= 0 or max_completion_length <= 0:
             raise ValueError("max_prompt_length and max_completion_length must be positive, got "
                              f"{max_prompt_length} and {max_completion_length}")
@@ -167,6 +182,8 @@ class Sampler:
         if decode_weights not in self.DECODE_WEIGHTS:
             raise ValueError(f"decode_weights must be one of {self.DECODE_WEIGHTS}, got "
                              f"{decode_weights!r}")
+        if rows_per_pass < 0:
+            raise ValueError(f"rows_per_pass must be 0 (one pass) or positive, got {rows_per_pass}")
         if decode_weights == "auto":
             decode_weights = "per_layer" if jax.default_backend() == "cpu" else "stacked"
         self.per_layer_decode = decode_weights == "per_layer"
@@ -175,6 +192,7 @@ class Sampler:
         self.max_completion_length = max_completion_length
         self.eos_ids = tuple(int(e) for e in eos_ids)
         self.pad_id = int(pad_id)
+        self.rows_per_pass = int(rows_per_pass)
         self._generate = jax.jit(self._generate_impl, static_argnames=("top_k", "top_p", "greedy"))
 
     def generate(self, params, prompt_tokens, prompt_mask, rng, *, temperature: float = 1.0,
@@ -187,6 +205,9 @@ class Sampler:
             raise ValueError(f"temperature must be > 0 when sampling, got {temperature}")
         if not 0.0 < top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        if self.rows_per_pass and prompt_tokens.shape[0] % self.rows_per_pass:
+            raise ValueError(f"a batch of {prompt_tokens.shape[0]} rows does not split into passes "
+                             f"of rows_per_pass={self.rows_per_pass}; make it a divisor")
         return self._generate(params, jnp.asarray(prompt_tokens), jnp.asarray(prompt_mask), rng,
                               jnp.float32(temperature), top_k=int(top_k), top_p=float(top_p),
                               greedy=bool(greedy))
@@ -200,6 +221,29 @@ class Sampler:
 
     def _generate_impl(self, params, prompt_tokens, prompt_mask, rng, temperature, *,
                        top_k: int, top_p: float, greedy: bool) -> SampleOutput:
+        batch = prompt_tokens.shape[0]
+        check_counter_range((batch, self.policy.bind(params).config.vocab_size))
+        rows = jnp.arange(batch, dtype=jnp.int32)
+        per_pass = self.rows_per_pass or batch
+        passes = batch // per_pass
+        if passes == 1:
+            return self._generate_rows(params, prompt_tokens, prompt_mask, rows, rng, temperature,
+                                       top_k=top_k, top_p=top_p, greedy=greedy)
+
+        def split(x):   # [batch, …] → [passes, per_pass, …]; pass j holds rows j, j + passes, …
+            return jnp.swapaxes(x.reshape(per_pass, passes, *x.shape[1:]), 0, 1)
+
+        def one_pass(_, part):
+            tokens, mask, part_rows = part
+            return None, self._generate_rows(params, tokens, mask, part_rows, rng, temperature,
+                                             top_k=top_k, top_p=top_p, greedy=greedy)
+
+        _, out = jax.lax.scan(one_pass, None, (split(prompt_tokens), split(prompt_mask), split(rows)))
+        return jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1).reshape(batch, *x.shape[2:]), out)
+
+    def _generate_rows(self, params, prompt_tokens, prompt_mask, rows, rng, temperature, *,
+                       top_k: int, top_p: float, greedy: bool) -> SampleOutput:
+        """One pass over ``rows`` of the batch: prefill, then decode until every row has ended."""
         model = self.policy.bind(params)
         probes = self.policy.probes(params)   # LoRA adapters, if the params hold any
         batch, prompt_len = prompt_tokens.shape
@@ -226,9 +270,9 @@ class Sampler:
             if greedy:
                 token = first_argmax(logits_t, axis=0)
             elif top_k or top_p < 1.0:
-                token = gumbel_max(key, filter_logits(scaled.T, top_k, top_p))
+                token = gumbel_max(key, filter_logits(scaled.T, top_k, top_p), rows=rows)
             else:
-                token = gumbel_max(key, scaled, vocab_axis=0)
+                token = gumbel_max(key, scaled, vocab_axis=0, rows=rows)
             # log_softmax's arithmetic for the drawn entry only: (x − max) − log Σ exp(x − max).
             top = jnp.max(scaled, axis=0)
             log_total = jnp.log(jnp.sum(jnp.exp(scaled - top), axis=0))
