@@ -12,10 +12,11 @@ from tiny_config import flat_params as _flat, make_config
 
 # Colocated runs sync by a local cast whatever the mode, so one colocated case covers both modes.
 # Sparse runs where its patches would cost most: fp32 weights with every parameter trained (nearly
-# every bf16 entry changes each step) and bf16 weights merged with stochastic rounding.
+# every bf16 entry changes each step) here, and bf16 weights merged with stochastic rounding in
+# test_bf16_weights_train_resume_and_sync_bit_exact below.
 @pytest.mark.parametrize("mode, rollout_devices, variant, param_dtype", [
     ("factors", 4, "logra-kl", "float32"), ("sparse", 4, "logra-grpo", "float32"),
-    ("sparse", 4, "logra-kl", "bfloat16"), ("factors", 0, "logra-kl", "float32")])
+    ("factors", 0, "logra-kl", "float32")])
 def test_sync_modes_with_and_without_rollout_devices(mode, rollout_devices, variant, param_dtype,
                                                      tmp_path):
     """4 training + 4 rollout devices: the engine receives the mode's messages and stays bit-exact,
@@ -54,15 +55,16 @@ def test_sync_modes_with_and_without_rollout_devices(mode, rollout_devices, vari
     assert moved > 0  # the updates did move the bf16 weights the sampler holds
 
 
-@pytest.mark.parametrize("name", ["logra-grpo", "logra-kl"])
-def test_bf16_weights_train_resume_and_sync_bit_exact(name, tmp_path):
+@pytest.mark.parametrize("name, mode", [("logra-grpo", "sparse"), ("logra-kl", "factors")])
+def test_bf16_weights_train_resume_and_sync_bit_exact(name, mode, tmp_path):
     """model.param_dtype=bfloat16 with stochastic-rounding merges: the target kernels are bf16 in
-    memory and in checkpoints and they move; a factors receiver that holds only bf16 weights
-    (no master copy) ends on the trainer's bits; a resumed run ends on the same bits as a straight
-    one (the rounding bits come from A's key)."""
+    memory and in checkpoints and they move; a receiver that holds only bf16 weights (factors
+    without a master copy; sparse, which never needs one) ends on the trainer's bits, sending no
+    more than a full sync; a resumed run ends on the same bits as a straight one (the rounding bits
+    come from A's key)."""
     config = make_config(name, max_steps=2, model=dict(param_dtype="bfloat16"),
                          optimizer=dict(logra=dict(kl_control=name == "logra-kl")),
-                         sync=dict(mode="factors", rollout_devices=4, master_copy=False),
+                         sync=dict(mode=mode, rollout_devices=4, master_copy=False),
                          checkpoint=dict(every=1, keep=3))
     trainer = trainer_lib.Trainer(config)
     straight = trainer_lib.Run(config, tmp_path / "straight", trainer=trainer)
@@ -75,6 +77,9 @@ def test_bf16_weights_train_resume_and_sync_bit_exact(name, tmp_path):
         if is_target(path):
             assert value.dtype == jnp.bfloat16, path
             assert not np.array_equal(value, initial[path]), f"{path} did not move"
+    assert straight.engine.mode == mode
+    for row in metrics.read_jsonl(tmp_path / "straight" / "metrics.jsonl"):
+        assert 0 < row["logra/sync_bytes"] <= row["logra/sync_bytes_full"]
     engine = _flat(straight.engine.params)
     for path in end:
         np.testing.assert_array_equal(engine[path], end[path].astype(engine[path].dtype), err_msg=path)
