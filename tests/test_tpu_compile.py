@@ -112,3 +112,30 @@ def test_passes_of_rows_fit_the_rollout_batch_the_compiler_refused():
     assert (rollout.rows, rollout.rows_per_pass) == (8192, 256)
     one_pass_cache = 8192 * 512 * 2 * 2048 * 2 * 4 * config.model.tiny.num_layers // 8  # f32 K+V
     assert rollout.peak < target.hbm_per_device < one_pass_cache
+
+
+def test_the_xla_cpu_layout_barriers_stay_out_of_tpu_programs(monkeypatch):
+    """models/linear.py's optimization barriers serve XLA:CPU's kernels (`cpu_layout`): a sketched
+    projection's backward lowered for CPU keeps them, lowered for TPU it has none, and forcing
+    them into the TPU program would cost it bytes at the same FLOPs."""
+    from logra_jax.models import linear
+
+    def loss(factor, x, kernel, a, h):
+        return jnp.sum((linear.sketched_matmul(x, kernel, a, factor) * h).astype(jnp.float32))
+
+    def compiled(devices):
+        on = NamedSharding(Mesh(np.array(devices[:1]), ("x",)), P())
+        shapes = [(1024, 64), (512, 256), (256, 1024), (64, 256), (512, 1024)]  # B, x, W, A, H
+        args = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=on) for s in shapes]
+        lowered = jax.jit(jax.grad(loss)).lower(*args)
+        return lowered.as_text().count("optimization_barrier"), lowered.compile()
+
+    tpu_devices = tpu.devices(tpu.target(TARGET))
+    assert compiled(jax.devices("cpu"))[0] > 0
+    barriers, without = compiled(tpu_devices)
+    assert barriers == 0
+    monkeypatch.setattr(linear, "cpu_layout", jax.lax.optimization_barrier)
+    _, forced = compiled(tpu_devices)
+    cost = lambda c: (c.cost_analysis() if isinstance(c.cost_analysis(), dict) else c.cost_analysis()[0])
+    assert cost(forced)["flops"] == cost(without)["flops"]
+    assert cost(forced)["bytes accessed"] > cost(without)["bytes accessed"]

@@ -25,23 +25,38 @@ from jax.custom_derivatives import SymbolicZero
 from logra_jax.projections import SketchProbe
 
 
+def cpu_layout(x):
+    """``jax.lax.optimization_barrier(x)`` where the program is compiled for XLA:CPU, x elsewhere.
+
+    The barriers below keep operands in the layouts XLA:CPU's kernels run fastest. The TPU compiler
+    needs no such help and pays for it: one sketched projection of Qwen2.5-7B's shape (2048 tokens,
+    3584 → 18944, r = 256, bf16), forward and backward, compiled for a v5p chip reads 175.5 MiB and
+    holds 9.3 MiB of temporaries with the barriers, 157.0 and 1.0 MiB without, at the same FLOPs
+    (docs/results/step_time.md). ``platform_dependent`` picks by the platform the program is
+    lowered for (not the process's default backend), so a deviceless TPU compile on a CPU host
+    gets the TPU form.
+    """
+    return jax.lax.platform_dependent(x, cpu=jax.lax.optimization_barrier, default=lambda x: x)
+
+
 def times_factor_t(xa: jax.Array, factor: jax.Array) -> jax.Array:
     """(x·Aᵀ)·Bᵀ, written so that reverse mode forms ∂L/∂B = Hᵀ(x·Aᵀ) as ((x·Aᵀ)ᵀH)ᵀ.
 
-    The optimization barrier keeps Bᵀ (r × out) a value of its own. Transposing this product, the
+    The optimization barrier (XLA:CPU only, `cpu_layout`) keeps Bᵀ (r × out) a value of its own.
+    Transposing this product, the
     backward pass then computes (x·Aᵀ)ᵀH, r × out, and transposes that small result. Without
     the barrier, XLA folds the transpose into the product and writes Hᵀ(x·Aᵀ), out × r, directly.
     XLA:CPU runs that form 1.2–1.4× slower at r = 256 and up to 3× slower at r = 32 (2048 tokens,
     out = 256–6144; docs/results/step_time.md). The value is the same product either way, to rounding.
     """
-    return xa @ jax.lax.optimization_barrier(factor.T)
+    return xa @ cpu_layout(factor.T)
 
 
 def sketch_tangent(xa: jax.Array, dfactor: jax.Array) -> jax.Array:
     """(x·Aᵀ)·dBᵀ, the B-term of the tangent at B = 0, laid out for the sketch its transpose forms.
 
     Reverse mode turns this term into the sketch ∂L/∂B = ((x·Aᵀ)ᵀH)ᵀ. Here x·Aᵀ (T × r) is
-    stored transposed, r × T, behind optimization barriers, so that product reads (x·Aᵀ)ᵀ as it
+    stored transposed, r × T, behind optimization barriers (XLA:CPU only), so that product reads (x·Aᵀ)ᵀ as it
     lies in memory: a canonical product (the left operand contracted over its last dim, the right
     over its first), which XLA:CPU hands to YNNPACK, while any other layout of it runs as an
     Eigen dot, 2.7× slower over a whole update at width 2048, r = 256 (docs/results/step_time.md). As
@@ -49,8 +64,8 @@ def sketch_tangent(xa: jax.Array, dfactor: jax.Array) -> jax.Array:
     transposed copy costs T·r reads and writes, small beside the product's T·r·out operations.
     Forward mode (the predicted-KL JVP, once per update) reads the copy transposed back.
     """
-    xa_t = jax.lax.optimization_barrier(jax.lax.optimization_barrier(xa).T)   # (r, T)
-    return xa_t.T @ jax.lax.optimization_barrier(dfactor.T)
+    xa_t = cpu_layout(cpu_layout(xa).T)   # (r, T)
+    return xa_t.T @ cpu_layout(dfactor.T)
 
 
 # Variable metadata of a kernel stored transposed, (out, in), for decoding: see `weights_major`.
@@ -74,9 +89,9 @@ def weights_major_product(weights: jax.Array, x: jax.Array, **dot_kwargs) -> jax
     the form XLA's algebraic simplifier prefers (it swaps the operands of a transposed product).
     A 30-layer chain of SmolLM2's seven projections at 16 rows: 31.7 vs 52.2 ms; the tied head
     (49 152 × 576) at 16 rows: 9.7 vs 16.5 ms (docs/results/sampler.md). The optimization barrier
-    keeps the product in this form.
+    (XLA:CPU only, `cpu_layout`) keeps the product in this form.
     """
-    return jax.lax.optimization_barrier(jnp.matmul(weights, x.T, **dot_kwargs))
+    return cpu_layout(jnp.matmul(weights, x.T, **dot_kwargs))
 
 
 def weights_major_matmul(x: jax.Array, kernel_t: jax.Array) -> jax.Array:
