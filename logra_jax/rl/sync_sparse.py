@@ -122,9 +122,19 @@ def apply_patch(leaf: jax.Array, indices: jax.Array, values: jax.Array) -> jax.A
 
 
 def apply_bitmap(leaf: jax.Array, bitmap: jax.Array, values: jax.Array) -> jax.Array:
-    """leaf with its j-th changed entry (in flat order) set to values[j]: the prefix sum of the
-    bitmap numbers the changed entries, an exact integer count whatever order XLA sums in."""
-    changed = jnp.unpackbits(bitmap, count=leaf.size).astype(bool)
-    slot = jnp.cumsum(changed, dtype=jnp.int32) - 1
-    new = jnp.take(values.astype(leaf.dtype), slot, mode="clip")
-    return jnp.where(changed, new, leaf.reshape(-1)).reshape(leaf.shape)
+    """leaf with its j-th changed entry (in flat order) set to values[j]: a prefix sum of the
+    bitmap numbers the changed entries, an exact integer count whatever order XLA sums in.
+
+    The prefix sum runs in two levels over the leaf's rows (its last axis): the changed entries
+    before each row, then the count within the row. One prefix sum over the flattened leaf is a
+    reduce-window as long as the leaf, and where the leaf is sharded over both of its axes (an
+    embedding [V, d] on an fsdp × tensor mesh) XLA's partitioner turned it into a program that ran
+    for over an hour on SmolLM2's 49152 × 576 embedding on 4 CPU devices; in two levels 0.8 s.
+    """
+    changed = jnp.unpackbits(bitmap, count=leaf.size).astype(bool).reshape(leaf.shape)
+    rows = changed.reshape(-1, leaf.shape[-1] if leaf.ndim else 1)
+    per_row = jnp.sum(rows, axis=1, dtype=jnp.int32)
+    before_row = jnp.cumsum(per_row, dtype=jnp.int32) - per_row
+    slot = before_row[:, None] + jnp.cumsum(rows, axis=1, dtype=jnp.int32) - 1
+    new = jnp.take(values.astype(leaf.dtype), slot.reshape(leaf.shape), mode="clip")
+    return jnp.where(changed, new, leaf)
