@@ -298,11 +298,12 @@ def test_sparse_encodings_rebuild_the_leaf_bit_for_bit(fraction):
     assert sizes[encoding] == nbytes
 
 
-def test_a_bitmap_patch_of_a_leaf_sharded_on_both_axes_has_no_leaf_long_prefix_sum():
-    """An embedding-shaped leaf sharded over fsdp × tensor: the receiver's bitmap patch numbers the
-    changed entries with prefix sums no longer than a row or a column. One prefix sum over the
-    flattened leaf (a reduce-window as long as the leaf) is what XLA's partitioner turned into a
-    program that ran for over an hour on SmolLM2's 49152 × 576 embedding; it is rebuilt exactly."""
+def test_sparse_patches_of_a_leaf_sharded_on_both_axes_have_no_leaf_long_prefix_sum():
+    """An embedding-shaped leaf sharded over fsdp × tensor: the sender's encoders and the
+    receiver's bitmap patch number the changed entries with prefix sums no longer than a row or a
+    column. One prefix sum over the flattened leaf (a reduce-window as long as the leaf) is what
+    XLA's partitioner turned into a program that ran for over an hour on SmolLM2's 49152 × 576
+    embedding; the leaf is rebuilt exactly."""
     import re
     mesh = sharding_lib.make_mesh({"fsdp": 2, "tensor": 2}, devices=jax.devices()[:4])
     on_leaf, replicated = NamedSharding(mesh, P("fsdp", "tensor")), NamedSharding(mesh, P())
@@ -310,13 +311,19 @@ def test_a_bitmap_patch_of_a_leaf_sharded_on_both_axes_has_no_leaf_long_prefix_s
     old = rng.standard_normal((96, 40)).astype(jnp.bfloat16)
     new = np.where(rng.random(old.shape) < 0.5, rng.standard_normal(old.shape), old).astype(jnp.bfloat16)
     count = int(np.sum(old.view(np.uint16) != new.view(np.uint16)))
-    bitmap, values = jax.device_put(sync_sparse.encode_bitmap(
-        jnp.asarray(new), jnp.asarray(old), capacity=sync_sparse.capacity(count, new.size)), replicated)
+    held, sent = jax.device_put((jnp.asarray(old), jnp.asarray(new)), on_leaf)
+    slots = sync_sparse.capacity(count, new.size)
+
+    def longest_prefix_sum(lowered):
+        hlo = lowered.compile().as_text()
+        windows = [int(d) for size in re.findall(r"window=\{size=([\dx]+)", hlo) for d in size.split("x")]
+        return max(windows)
+
+    for encoder in (sync_sparse.encode, sync_sparse.encode_bitmap):
+        assert longest_prefix_sum(encoder.lower(sent, held, capacity=slots)) <= max(old.shape)
+    bitmap, values = jax.device_put(sync_sparse.encode_bitmap(sent, held, capacity=slots), replicated)
     patch = jax.jit(sync_sparse.apply_bitmap, out_shardings=on_leaf)
-    held = jax.device_put(jnp.asarray(old), on_leaf)
-    hlo = patch.lower(held, bitmap, values).compile().as_text()
-    windows = [int(d) for size in re.findall(r"window=\{size=([\dx]+)", hlo) for d in size.split("x")]
-    assert windows and max(windows) <= max(old.shape), windows
+    assert longest_prefix_sum(patch.lower(held, bitmap, values)) <= max(old.shape)
     rebuilt = patch(held, bitmap, values)
     np.testing.assert_array_equal(np.asarray(rebuilt).view(np.uint16), new.view(np.uint16))
 
