@@ -1,5 +1,7 @@
 """KV-cache sampler: cache == recompute, log-probs, stopping, padding, no recompiles."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,13 +30,20 @@ def setup():
     return policy, params, sampler, prompts, tokens, mask
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _logits_without_cache(policy, params, tokens):
+    return policy.bind(params)(tokens)
+
+
 def greedy_by_recompute(policy, params, prompt, steps):
-    """Reference: re-run the whole sequence without a cache for every new token."""
+    """Reference: re-run the whole sequence without a cache for every new token. The sequence is
+    right-padded to one length (one compiled forward; causal attention keeps the padding out of
+    the positions read)."""
     seq = list(prompt)
-    model = policy.bind(params)
     for _ in range(steps):
-        logits = model(jnp.asarray([seq], jnp.int32))
-        seq.append(int(jnp.argmax(logits[0, -1])))
+        tokens = jnp.asarray([seq + [PAD] * (len(prompt) + steps - len(seq))], jnp.int32)
+        logits = _logits_without_cache(policy, params, tokens)
+        seq.append(int(jnp.argmax(logits[0, len(seq) - 1])))
     return seq[len(prompt):]
 
 
