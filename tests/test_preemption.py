@@ -30,10 +30,10 @@ def _rows(workdir):
     return metrics.read_jsonl(path) if path.exists() else []
 
 
-def _stop_after_a_new_step(workdir, signum) -> int:
+def _stop_after_a_new_step(workdir, signum) -> tuple[int, str]:
     """Runs the command to max_steps=1000, sends ``signum`` once a new step is logged, and checks
     the stop: the signal's exit status, one ``stopped:`` line, a checkpoint of that step although
-    checkpoint.every=1000. Returns the step."""
+    checkpoint.every=1000. Returns the step and the run's stderr."""
     before = len(_rows(workdir))
     proc = _train(workdir, 1000)
     deadline = time.time() + 300
@@ -48,20 +48,19 @@ def _stop_after_a_new_step(workdir, signum) -> int:
     step = _rows(workdir)[-1]["step"]
     assert step > before and f"after step {step};" in stopped[0]
     assert (workdir / "checkpoints" / str(step)).is_dir()
-    return step
+    return step, stderr
 
 
 def test_sigterm_and_sigint_save_the_step_and_the_same_command_resumes(tmp_path):
-    """SIGTERM stops the first run; the same command resumes, and SIGINT (Ctrl-C) stops it again
-    later; a last run resumes and finishes: every step logged once, in order."""
-    first = _stop_after_a_new_step(tmp_path, signal.SIGTERM)
+    """SIGTERM stops the first run; the same command resumes from its checkpoint, and SIGINT
+    (Ctrl-C) stops it again later: every step logged once, in order. (That a resumed run goes on
+    to finish is tests/test_trainer.py's resume tests; a third process here cost ~45 s.)"""
+    first, _ = _stop_after_a_new_step(tmp_path, signal.SIGTERM)
     assert json.loads((tmp_path / "config.json").read_text())["max_steps"] == 1000
-    second = _stop_after_a_new_step(tmp_path, signal.SIGINT)   # resumed from `first`
+    second, stderr = _stop_after_a_new_step(tmp_path, signal.SIGINT)
+    assert f"resumed from {tmp_path / 'checkpoints'} at step {first}" in stderr
     assert second > first
-    resumed = _train(tmp_path, second + 1)
-    _, stderr = resumed.communicate(timeout=300)
-    assert resumed.returncode == 0, stderr[-2000:]
-    assert [r["step"] for r in _rows(tmp_path)] == list(range(1, second + 2))
+    assert [r["step"] for r in _rows(tmp_path)] == list(range(1, second + 1))
 
 
 def test_a_cut_last_metrics_line_is_dropped_and_a_bad_one_is_named(tmp_path):
