@@ -1,16 +1,34 @@
-"""logra_jax/perf/matmul_count.py: a compiled program's matmul operations, loops counted as they run."""
+"""logra_jax/perf/matmul_count.py: a compiled program's matmul operations, loops counted as they run.
+
+Each program is compiled by XLA:CPU and by the TPU compiler (a v5e chip, deviceless): the TPU
+compiler writes its products as convolutions and its loops without a recorded trip count, and the
+count must come out the same.
+"""
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from logra_jax.perf import matmul_count
+from logra_jax.perf import matmul_count, tpu
 
 N = 64
 ONE_PRODUCT = 2 * N ** 3   # (N × N)·(N × N)
 
 
-def _compiled(fn, *args):
+@pytest.fixture(params=["cpu", "tpu"])
+def platform(request):
+    if request.param == "tpu" and tpu.libtpu_version() is None:
+        pytest.skip("libtpu (the 'tpu' extra) is not installed: no TPU compiler")
+    return request.param
+
+
+def _compiled(fn, *args, platform="cpu"):
+    if platform == "tpu":
+        one_chip = NamedSharding(Mesh(np.array(tpu.devices(tpu.target("v5e-8"))[:1]), ("x",)), P())
+        args = [jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a), sharding=one_chip)
+                for a in args]
     return jax.jit(fn).lower(*args).compile()
 
 
@@ -20,16 +38,17 @@ def _xla_flops(compiled) -> float:
 
 
 @pytest.mark.parametrize("trips", [1, 7])
-def test_a_loop_body_counts_once_per_trip(trips):
+def test_a_loop_body_counts_once_per_trip(trips, platform):
     x = jnp.ones((N, N))
-    compiled = _compiled(lambda x: jax.lax.fori_loop(0, trips, lambda i, y: jnp.tanh(y @ x), x), x)
+    compiled = _compiled(lambda x: jax.lax.fori_loop(0, trips, lambda i, y: jnp.tanh(y @ x), x), x,
+                         platform=platform)
     got = matmul_count.of_compiled(compiled)
     assert got == matmul_count.MatmulCount(flops=trips * ONE_PRODUCT, unknown_loops=0)
     # Why this module exists: XLA's own count sees the body once, whatever the trip count.
     assert _xla_flops(compiled) < 2 * ONE_PRODUCT
 
 
-def test_nested_loops_multiply_and_fused_dots_count():
+def test_nested_loops_multiply_and_fused_dots_count(platform):
     x = jnp.ones((N, N))
 
     def program(x):
@@ -37,10 +56,10 @@ def test_nested_loops_multiply_and_fused_dots_count():
             inner = lambda c, _: (jnp.tanh(c @ x) * 2.0 + 1.0, None)   # a dot XLA fuses
             return jax.lax.scan(inner, carry, None, length=3)[0], None
         return jax.lax.scan(outer, x, None, length=4)[0] @ x
-    assert matmul_count.of_compiled(_compiled(program, x)).flops == (4 * 3 + 1) * ONE_PRODUCT
+    assert matmul_count.of_compiled(_compiled(program, x, platform=platform)).flops == (4 * 3 + 1) * ONE_PRODUCT
 
 
-def test_batched_and_transposed_contractions_are_sized_from_their_operands():
+def test_batched_and_transposed_contractions_are_sized_from_their_operands(platform):
     a, b = jnp.ones((5, 8, 32)), jnp.ones((5, 32, 16))
     c = jnp.ones((32, 12))
 
@@ -49,16 +68,16 @@ def test_batched_and_transposed_contractions_are_sized_from_their_operands():
         contracted_first = jnp.einsum("tk,tn->kn", a[0].T, c)     # (32 × 8)ᵀ·(32 × 12)
         return batched.sum() + contracted_first.sum()
     expected = 2 * 5 * 8 * 32 * 16 + 2 * 8 * 32 * 12
-    assert matmul_count.of_compiled(_compiled(program, a, b, c)).flops == expected
+    assert matmul_count.of_compiled(_compiled(program, a, b, c, platform=platform)).flops == expected
 
 
-def test_a_loop_without_a_known_trip_count_counts_once_and_says_so():
+def test_a_loop_without_a_known_trip_count_counts_once_and_says_so(platform):
     x = jnp.ones((N, N))
 
     def program(x, n):
         return jax.lax.while_loop(lambda s: s[0] < n, lambda s: (s[0] + 1, jnp.tanh(s[1] @ x)),
                                   (0, x))[1]
-    got = matmul_count.of_compiled(_compiled(program, x, jnp.int32(5)))
+    got = matmul_count.of_compiled(_compiled(program, x, jnp.int32(5), platform=platform))
     assert got == matmul_count.MatmulCount(flops=ONE_PRODUCT, unknown_loops=1)
 
 
@@ -101,3 +120,20 @@ ENTRY %main (p0: f32[32,64], p1: f32[64,16]) -> f32[32,16] {
 def test_gpu_library_gemms_count_like_dots():
     got = matmul_count.count(GPU_HLO)
     assert got == matmul_count.MatmulCount(flops=(3 + 1) * 2 * 32 * 64 * 16, unknown_loops=0)
+
+
+@pytest.mark.parametrize("stride, padding, lhs_dilation, rhs_dilation", [
+    (1, (0, 0), 1, 1), (2, (3, 2), 1, 2), (1, (2, 3), 3, 1), (2, (1, 1), 2, 2)])
+def test_a_convolution_counts_the_taps_that_meet_the_input(platform, stride, padding, lhs_dilation,
+                                                           rhs_dilation):
+    """A padded, strided, dilated convolution (1-D, 3 → 5 channels): its products are the window
+    taps that land on an input point. The oracle is the convolution itself: over all-ones inputs
+    each output is the number of its products over one output channel."""
+    x, w = jnp.ones((2, 3, 11)), jnp.ones((5, 3, 4))
+
+    def conv(x, w):
+        return jax.lax.conv_general_dilated(x, w, (stride,), [padding], (lhs_dilation,),
+                                            (rhs_dilation,))
+    products = float(jnp.sum(conv(x, w)))
+    got = matmul_count.of_compiled(_compiled(conv, x, w, platform=platform))
+    assert got == matmul_count.MatmulCount(flops=2 * products, unknown_loops=0)
