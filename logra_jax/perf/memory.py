@@ -34,11 +34,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from logra_jax import model_shapes
 from logra_jax import sharding as sharding_lib
 from logra_jax.models import Decoder, ModelConfig
-from logra_jax.perf import tpu
+from logra_jax.perf import matmul_count, tpu
 from logra_jax.rl import build
 from logra_jax.rl.policy import Policy, Sequences
 from logra_jax.rl.sampler import Sampler
-from logra_jax.rl.update import TrainBatch
+from logra_jax.rl.update import UPDATE_COMPILER_OPTIONS, TrainBatch
 from logra_jax.tree_paths import leaves_with_paths
 
 GIB = 2 ** 30
@@ -221,12 +221,18 @@ def update_step_memory(config: ml_collections.ConfigDict, mesh: Mesh, *, micro_s
     if dump_dir is not None:
         options = {"xla_dump_to": str(dump_dir), "xla_dump_hlo_as_text": True,
                    "xla_dump_hlo_module_re": ".*_step_impl.*"}
-    if not hoist_invariants:
-        options["xla_disable_hlo_passes"] = "while-loop-invariant-code-motion"
+    if not hoist_invariants:   # added to the update's own disabled passes (this option replaces them)
+        options["xla_disable_hlo_passes"] = ",".join(
+            [UPDATE_COMPILER_OPTIONS["xla_disable_hlo_passes"], "while-loop-invariant-code-motion"])
     lowered = update.jitted(params, opt_state).lower(params, opt_state, batch)
-    stats = tpu.compile_or_refuse(lowered, compiler_options=options or None,
-                                  program=f"the {label or config.optimizer.name} update"
-                                  ).memory_analysis()
+    try:
+        compiled = tpu.compile_or_refuse(lowered, compiler_options=options or None,
+                                         program=f"the {label or config.optimizer.name} update")
+    except tpu.DoesNotFit as e:
+        raise e.with_arguments(device_bytes((params, opt_state, batch))) from None
+    stats = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
     return StepMemory(
         optimizer=label or config.optimizer.name, devices=mesh.size, micro_steps=rows // rl.micro_batch_size,
         params=device_bytes(params), opt_state=device_bytes(opt_state), batch=device_bytes(batch),
