@@ -11,7 +11,10 @@ devices, FSDP over all of them unless ``--mesh`` says otherwise, and also compil
 ``generate`` for the rollout batch, so the rollout phase is the compiler's figure too. The header
 names the compiler (and the slice, its chips, HBM and libtpu version); for a TPU target the last
 lines say whether each column's RL footprint fits a device's HBM, and the compiler's own refusal
-of an over-budget program is one "does not fit: ... needs X of Y" line; either exits 1.
+of an over-budget program is one "does not fit: ... needs X of Y" line. The run exits 1 when the
+config's own column does not fit; a ``--compare`` column the compiler refuses (dense AdamW of a 70B
+model on 8 chips) keeps its "does not fit" line and its figure in the ratio line, and the columns
+that fit still make the table.
 
 The trainer's jitted update is compiled for the config's model shape (abstract inputs: nothing is
 allocated; on XLA:CPU 7B and 27B shapes compile in about a minute, the TPU compiler takes
@@ -24,6 +27,10 @@ weights and moments (bf16-weight AdamW is not offered). Each extra column ends i
 
     peak per device: logra X GiB, adamw Y GiB, ratio Z        (Z = X / Y, update peaks)
 
+Before the ratio lines, a cost line per column: the update's matmul FLOPs per device with every loop counted as it
+runs (`perf/matmul_count.py`), XLA's bytes accessed (its cost analysis counts a loop body once: a
+lower bound) and, for a TPU target, the roofline lower bound max(FLOPs / peak bf16 FLOP/s, bytes /
+HBM bandwidth) from the chip's published figures; and the FLOPs ratio to the first column.
 ``--explain N`` also lists the N largest buffers live at each peak, as XLA names them.
 ``--hosts H`` plans a mesh that spans H hosts (``--mesh fsdp=16 --hosts 2``: 2 × 8 GPUs): a device's
 memory does not depend on which process drives it, so the table is per device as always, and the
@@ -127,10 +134,12 @@ def devices_per_host(mesh_size: int, hosts: int) -> int:
 
 def measure(config, cols, mesh_sizes, rollout_devices, micro_steps, explain, hoist=True, hosts=1,
             devices=None, compile_rollout=False):
-    """(mesh, [StepMemory], [LoopMemory], [RolloutMemory] or None, {label: peak breakdown}) for
-    the columns ``cols``; the TPU compiler's refusal of any program raises `tpu.DoesNotFit`."""
+    """(mesh, [StepMemory], [LoopMemory], [RolloutMemory] or None, {label: peak breakdown},
+    {label: tpu.DoesNotFit}) for the columns ``cols``. A column whose update or sampler the TPU
+    compiler refuses is left out of the lists and kept with the refusal (its figure is the
+    compiler's "needs X of Y"), so the columns that fit still make a table."""
     import jax
-    from logra_jax.perf import memory
+    from logra_jax.perf import memory, tpu
     from logra_jax.rl.build import build_mesh
 
     devices = jax.devices() if devices is None else devices
@@ -142,28 +151,68 @@ def measure(config, cols, mesh_sizes, rollout_devices, micro_steps, explain, hoi
     rollout = (build_mesh({"fsdp": rollout_devices, "tensor": 1},
                           devices[len(devices) - rollout_devices:])
                if rollout_devices else mesh)
-    steps, loops, rollouts, breakdowns = [], [], [], {}
+    steps, loops, rollouts, breakdowns, refused = [], [], [], {}, {}
     generate = {}   # the sampler's program differs between columns only by LoRA's adapters
     for label, name, param_dtype in cols:
         run = config.copy_and_resolve_references()
         run.optimizer.name = name
         run.model.param_dtype = param_dtype
-        if compile_rollout:   # first: the quicker compile, and the one a big rollout batch overfills
-            kind = name == "lora"
-            if kind not in generate:
-                generate[kind] = memory.rollout_step_memory(run, rollout)
+        try:
+            if compile_rollout:   # first: the quicker compile, and the one a big batch overfills
+                kind = name == "lora"
+                if kind not in generate:
+                    try:
+                        generate[kind] = memory.rollout_step_memory(run, rollout)
+                    except tpu.DoesNotFit as e:
+                        generate[kind] = e
+                if isinstance(generate[kind], tpu.DoesNotFit):
+                    raise generate[kind]
+            if explain:
+                with tempfile.TemporaryDirectory() as dump:
+                    step = memory.update_step_memory(run, mesh, micro_steps=micro_steps,
+                                                     dump_dir=dump, label=label,
+                                                     hoist_invariants=hoist)
+                    breakdowns[label] = memory.peak_breakdown(dump)
+            else:
+                step = memory.update_step_memory(run, mesh, micro_steps=micro_steps, label=label,
+                                                 hoist_invariants=hoist)
+        except tpu.DoesNotFit as e:
+            refused[label] = e
+            continue
+        if compile_rollout:
             rollouts.append(generate[kind])
-        if explain:
-            with tempfile.TemporaryDirectory() as dump:
-                steps.append(memory.update_step_memory(run, mesh, micro_steps=micro_steps,
-                                                       dump_dir=dump, label=label,
-                                                       hoist_invariants=hoist))
-                breakdowns[label] = memory.peak_breakdown(dump)
-        else:
-            steps.append(memory.update_step_memory(run, mesh, micro_steps=micro_steps, label=label,
-                                                   hoist_invariants=hoist))
+        steps.append(step)
         loops.append(memory.rl_resident_bytes(run, mesh, rollout))
-    return mesh, steps, loops, (rollouts if compile_rollout else None), breakdowns
+    return mesh, steps, loops, (rollouts if compile_rollout else None), breakdowns, refused
+
+
+def refusal_line(refusal, target_name: str) -> str:
+    """The TPU compiler's refusal of a column's program as one line."""
+    from logra_jax.perf import tpu
+    return (f"does not fit: {refusal.program} needs {tpu.gib_text(refusal.needed)} of "
+            f"{tpu.gib_text(refusal.available)} HBM per device on {target_name} (the TPU "
+            f"compiler's refusal: {refusal})")
+
+
+def cost_lines(steps, target) -> list[str]:
+    """Each update's cost per device: its matmul FLOPs (loops as they run), XLA's bytes accessed
+    (loop bodies counted once, so a lower bound) and, for a TPU target, the roofline lower bound
+    max(FLOPs / peak bf16 FLOP/s, bytes / HBM bandwidth) from the chip's published figures."""
+    from logra_jax.perf import tpu
+    lines = []
+    for s in steps:
+        line = (f"cost per device: {s.optimizer} {s.flops:.3g} matmul FLOPs per update (loops as "
+                f"they run), ≥ {s.bytes_accessed:.3g} bytes accessed (XLA, loop bodies once)")
+        if target is not None:
+            bound = tpu.roofline_seconds(s.flops, s.bytes_accessed, target)
+            kind = "compute" if bound["compute"] >= bound["memory"] else "memory"
+            line += (f"; roofline ≥ {bound['bound']:.3g} s on {target.generation} "
+                     f"({kind}-bound; a lower bound, not a prediction)")
+        lines.append(line)
+    a = steps[0]
+    lines += [f"matmul FLOPs per update: {a.optimizer} / {b.optimizer} {a.flops / b.flops:.3f}"
+              for b in steps[1:] if a.flops and b.flops]
+    return lines
 
 
 def target_header(target, mesh) -> str:
@@ -202,17 +251,16 @@ def main(argv):
             mesh_sizes = dict(config.mesh)
         compile_rollout = (target is not None if _ROLLOUT_COMPILE.value is None
                            else _ROLLOUT_COMPILE.value)
-        mesh, steps, loops, rollouts, breakdowns = measure(
+        mesh, steps, loops, rollouts, breakdowns, refused = measure(
             config, cols, mesh_sizes, rollout_devices, _MICRO_STEPS.value, _EXPLAIN.value,
             hoist=not _NO_LICM.value, hosts=_HOSTS.value, devices=devices,
             compile_rollout=compile_rollout)
         per_host = devices_per_host(mesh.size, _HOSTS.value)
-    except tpu.DoesNotFit as e:
-        sys.exit(f"does not fit: {e.program} needs {tpu.gib_text(e.needed)} of "
-                 f"{tpu.gib_text(e.available)} HBM per device on {_TARGET.value} (the TPU "
-                 f"compiler's refusal: {e})")
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"error: {e}")
+    own = cols[0][0]   # the config's own column: its refusal is the run's verdict, printed last
+    if not steps:
+        sys.exit(refusal_line(refused[own], _TARGET.value))
 
     rl = config.rl
     hosts = f" = {_HOSTS.value} hosts × {per_host} devices" if _HOSTS.value > 1 else ""
@@ -236,22 +284,34 @@ def main(argv):
                                  for s, loop, r in zip(steps, loops, rollouts or [None] * len(steps))},
                    "rollouts": [r.__dict__ for r in rollouts] if rollouts else None,
                    "target": target.name if target else "cpu", "libtpu": tpu.libtpu_version(),
-                   "hbm_per_device": target.hbm_per_device if target else None}
+                   "hbm_per_device": target.hbm_per_device if target else None,
+                   "refused": {label: {"program": e.program, "needed": e.needed,
+                                       "available": e.available} for label, e in refused.items()}}
         with open(_JSON.value, "w") as f:
             json.dump(payload, f, indent=1)
+    print("\n".join(cost_lines(steps, target)))
     a = steps[0]
-    for b in steps[1:]:
-        print(f"peak per device: {a.optimizer} {memory.gib(a.peak)} GiB, {b.optimizer} "
-              f"{memory.gib(b.peak)} GiB, ratio {a.peak / b.peak:.3f}")
+    if a.optimizer == own:
+        for b in steps[1:]:
+            print(f"peak per device: {a.optimizer} {memory.gib(a.peak)} GiB, {b.optimizer} "
+                  f"{memory.gib(b.peak)} GiB, ratio {a.peak / b.peak:.3f}")
+        for label, e in refused.items():   # the compiler's figure stands in for the refused peak
+            print(f"peak per device: {a.optimizer} {memory.gib(a.peak)} GiB, {label} refused "
+                  f"(needs {memory.gib(e.needed)} GiB), ratio {a.peak / e.needed:.3f}")
     if target is not None:
-        verdicts = []
+        fits = {}
         for s, loop, r in zip(steps, loops, rollouts or [None] * len(steps)):
             need = memory.rl_footprint(s, loop, r)["total"]
-            verdicts.append(need <= target.hbm_per_device)
-            print(f"{'fits' if verdicts[-1] else 'does not fit'}: {s.optimizer} RL footprint "
+            fits[s.optimizer] = need <= target.hbm_per_device
+            print(f"{'fits' if fits[s.optimizer] else 'does not fit'}: {s.optimizer} RL footprint "
                   f"{memory.gib(need)} GiB of {tpu.gib_text(target.hbm_per_device)} HBM per device "
                   f"on {target.name} (the compiler's plan is a lower bound)")
-        if not verdicts[0]:
+        for label, e in refused.items():
+            if label != own:
+                print(refusal_line(e, target.name))
+        if own in refused:
+            sys.exit(refusal_line(refused[own], target.name))
+        if not fits[own]:
             sys.exit(1)
 
 

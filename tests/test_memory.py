@@ -81,6 +81,10 @@ def test_last_line_is_the_ratio_of_the_peaks(report):
                 "update peak (XLA)", "RL footprint (max)"):
         assert row in stdout
     assert "largest buffers live at the logra peak" in stdout
+    # The cost lines: LoGRA's update skips the targets' dense weight gradients, so fewer FLOPs.
+    assert 0 < steps["logra"]["flops"] < steps["adamw"]["flops"]
+    assert f"cost per device: logra {steps['logra']['flops']:.3g} matmul FLOPs per update" in stdout
+    assert 0 < steps["logra"]["bytes_accessed"]
 
 
 def test_xla_arguments_and_donation_agree_with_shapes(report):

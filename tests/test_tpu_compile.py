@@ -36,9 +36,14 @@ def _memory_cli(*args, tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_on_tpu(tmp_path_factory):
-    """One compile of the tiny config's update and sampler for 8 v5e chips, shared by the tests;
-    ``--explain`` reads the TPU compiler's own buffer assignment, as it reads XLA:CPU's."""
-    return _memory_cli("--target", TARGET, "--explain", "3", tmp_path=tmp_path_factory.mktemp("tpu"))
+    """The tiny config's update and sampler compiled for 8 v5e chips, with AdamW beside it;
+    ``--explain`` reads the TPU compiler's own buffer assignment, as it reads XLA:CPU's. Its two
+    layers are 8192 wide with a 163840-wide MLP (8.5 B parameters, no arrays): LoGRA with bf16
+    weights fits a 16 GB chip, AdamW's fp32 weights and moments (12 bytes a parameter) do not."""
+    return _memory_cli("--target", TARGET, "--explain", "3", "--compare", "adamw",
+                       "--config.model.param_dtype=bfloat16", "--config.model.tiny.hidden_size=8192",
+                       "--config.model.tiny.intermediate_size=163840",
+                       tmp_path=tmp_path_factory.mktemp("tpu"))
 
 
 def test_tiny_update_and_sampler_compile_for_a_tpu_slice(tiny_on_tpu):
@@ -56,12 +61,29 @@ def test_tiny_update_and_sampler_compile_for_a_tpu_slice(tiny_on_tpu):
     assert rollout["arguments"] >= rollout["weights"] > 0 and rollout["temporaries"] > 0
     footprint = plan["footprint"][step["optimizer"]]
     assert footprint["rollout"] >= step["params"] + step["opt_state"] + rollout["temporaries"]
-    assert result.stdout.strip().splitlines()[-1].startswith("fits: logra RL footprint")
     lines = result.stdout.splitlines()
+    assert any(line.startswith("fits: logra RL footprint") for line in lines)
     explain = lines.index(next(line for line in lines if line.startswith("largest buffers live")))
     assert all(float(line.split()[0]) > 0 for line in lines[explain + 1:explain + 4])
     # No libtpu warnings about metadata servers or worker hostnames on a machine without TPUs.
     assert "TPU_WORKER_HOSTNAMES" not in result.stderr
+
+
+def test_a_compared_column_the_compiler_refuses_keeps_its_figure(tiny_on_tpu):
+    """AdamW's update, refused by the compiler, does not cost the LoGRA column its table: its
+    "does not fit" line and its need (the compiler's temporaries + the arguments' bytes) stand
+    beside LoGRA's peak, and the run's own column decides the exit code (0: LoGRA fits)."""
+    result, plan = tiny_on_tpu
+    hbm = tpu.target(TARGET).hbm_per_device
+    refused = plan["refused"]["adamw/fp32"]
+    assert refused["program"] == "the adamw/fp32 update" and refused["needed"] > hbm
+    # At least AdamW's fp32 weights and two moments: 12 bytes of each of the 8.5 B parameters.
+    assert refused["needed"] > 12 * 8.5e9 / 8
+    assert [s["optimizer"] for s in plan["steps"]] == ["logra"]
+    last = result.stdout.strip().splitlines()[-1]
+    assert last.startswith("does not fit: the adamw/fp32 update needs "), last
+    needed = f"{refused['needed'] / 2 ** 30:.2f}"
+    assert f"adamw/fp32 refused (needs {needed} GiB), ratio " in result.stdout
 
 
 def test_a_program_over_the_chips_hbm_is_refused_by_the_compiler():

@@ -149,6 +149,8 @@ class StepMemory:
     aliased: int         # XLA: outputs written into donated arguments
     temporaries: int     # XLA
     code: int            # XLA: generated code
+    flops: float = 0.0             # matmul FLOPs per device, loops as they run (perf/matmul_count.py)
+    bytes_accessed: float = 0.0    # XLA's cost analysis: each loop body counted once (a lower bound)
 
     @property
     def peak(self) -> int:
@@ -240,7 +242,8 @@ def update_step_memory(config: ml_collections.ConfigDict, mesh: Mesh, *, micro_s
                                  train_others),
         arguments=stats.argument_size_in_bytes, outputs=stats.output_size_in_bytes,
         aliased=stats.alias_size_in_bytes, temporaries=stats.temp_size_in_bytes,
-        code=stats.generated_code_size_in_bytes)
+        code=stats.generated_code_size_in_bytes, flops=matmul_count.of_compiled(compiled).flops,
+        bytes_accessed=float(cost.get("bytes accessed", 0.0)))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -340,8 +343,11 @@ def rollout_step_memory(config: ml_collections.ConfigDict, mesh: Mesh, *,
     temperature = jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated)
     lowered = sampler._generate.lower(params, tokens, mask, key, temperature, top_k=int(rl.top_k),
                                       top_p=float(rl.top_p), greedy=False)
-    stats = tpu.compile_or_refuse(lowered, program=f"the sampler's generate ({rows} rows)"
-                                  ).memory_analysis()
+    try:
+        stats = tpu.compile_or_refuse(lowered, program=f"the sampler's generate ({rows} rows)"
+                                      ).memory_analysis()
+    except tpu.DoesNotFit as e:
+        raise e.with_arguments(device_bytes((params, tokens, mask))) from None
     return RolloutMemory(rows=rows, rows_per_pass=rl.rollout_micro_batch or rows,
                          weights=device_bytes(params),
                          arguments=stats.argument_size_in_bytes, outputs=stats.output_size_in_bytes,

@@ -126,15 +126,27 @@ def devices(t: Target) -> list:
 
 
 class DoesNotFit(Exception):
-    """The TPU compiler refused a program over its HBM budget: needs ``needed`` of ``available``."""
+    """The TPU compiler refused a program over its HBM budget: needs ``needed`` of ``available``.
 
-    def __init__(self, needed: int, available: int, message: str, program: str = "the program"):
+    One of the compiler's two refusals counts the program's temporaries alone
+    (``counts_arguments=False``); `with_arguments` adds the arguments' bytes, known from shapes."""
+
+    def __init__(self, needed: int, available: int, message: str, program: str = "the program",
+                 counts_arguments: bool = True):
         super().__init__(message)
         self.needed, self.available, self.program = needed, available, program
+        self.counts_arguments = counts_arguments
+
+    def with_arguments(self, arguments: int) -> "DoesNotFit":
+        """The refusal with ``needed`` covering the program's arguments too."""
+        if self.counts_arguments:
+            return self
+        return DoesNotFit(self.needed + arguments, self.available, str(self), self.program)
 
 
 _UNITS = {"": 1, "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
-# The two ways the TPU compiler words an over-budget program.
+# The two ways the TPU compiler words an over-budget program: the whole program's use, or its
+# temporaries alone ("the total memory required for HLO temporaries (X) exceeds available HBM (Y)").
 _REFUSALS = [
     re.compile(r"Used (?P<used>[\d.]+)(?P<u1>[KMGT]?) of (?P<total>[\d.]+)(?P<u2>[KMGT]?) hbm"),
     re.compile(r"required for .*?\((?P<used>[\d.]+)(?P<u1>[KMGT]?)\) exceeds available HBM "
@@ -152,7 +164,8 @@ def compile_or_refuse(lowered, program: str = "the program", **kwargs):
             raise
         needed = int(float(match["used"]) * _UNITS[match["u1"]])
         available = int(float(match["total"]) * _UNITS[match["u2"]])
-        raise DoesNotFit(needed, available, str(e).strip().splitlines()[0], program) from None
+        raise DoesNotFit(needed, available, str(e).strip().splitlines()[0], program,
+                         counts_arguments="temporaries" not in match.group(0)) from None
 
 
 def roofline_seconds(flops: float, bytes_accessed: float, t: Target) -> dict[str, float]:
