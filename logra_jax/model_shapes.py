@@ -46,6 +46,12 @@ MODEL_SHAPES: dict[str, dict] = {
                          num_kv_heads=8, head_dim=128, intermediate_size=28672, rope_theta=5e5,
                          rms_norm_eps=1e-5, qkv_bias=False, tie_embeddings=False,
                          max_position_embeddings=131072),
+    # meta-llama/Llama-3.1-405B(-Instruct): 126 layers, d 16384, MLP 53248, 128 q / 8 kv heads × 128,
+    # vocabulary 128256, untied head: 405.9 B parameters.
+    "llama3_1_405b": dict(vocab_size=128256, hidden_size=16384, num_layers=126, num_heads=128,
+                          num_kv_heads=8, head_dim=128, intermediate_size=53248, rope_theta=5e5,
+                          rms_norm_eps=1e-5, qkv_bias=False, tie_embeddings=False,
+                          max_position_embeddings=131072),
 }
 
 

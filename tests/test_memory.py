@@ -183,6 +183,7 @@ def test_opt_state_and_sketch_shardings(shapes):
     ("qwen2_5_7b", 7.61e9),     # "7.61B"
     ("gemma3_27b", 27.0e9),     # 27B (the vision tower's 0.4B of gemma-3-27b-it excluded)
     ("llama3_1_70b", 70.55e9),  # 70,553,706,496 in its safetensors index
+    ("llama3_1_405b", 405e9),   # "405B"
 ])
 def test_shapes_match_published_sizes(name, published):
     model = memory.abstract_model(model_shapes.shape_config(name))
