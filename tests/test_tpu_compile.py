@@ -174,7 +174,7 @@ def _whole_stack_casts(config, monkeypatch, tmp_path, options=None):
         monkeypatch.setattr(update, "UPDATE_COMPILER_OPTIONS", options)
     target = tpu.target("v5p-8")
     mesh = build_mesh({"fsdp": target.devices, "tensor": 1}, tpu.devices(target))
-    memory.update_step_memory(config, mesh, micro_steps=2, dump_dir=tmp_path)
+    memory.update_step_memory(config, mesh, micro_steps=1, dump_dir=tmp_path)
     text = next(p for p in tmp_path.glob("*_step_impl*after_optimizations.txt")).read_text()
     layers = config.model.tiny.num_layers
     return re.findall(rf"bf16\[{layers},\d+,\d+\]\S* convert\(%param[.\d]*\)", text)
@@ -185,11 +185,11 @@ def test_fp32_weight_stacks_are_cast_per_layer_not_copied_whole_in_bf16(monkeypa
     them. The TPU compiler's bfloat16-propagation pass would instead cast every whole stack once
     before the micro-steps and hold the bf16 copies through the update (2.66 GiB per chip at
     Qwen2.5-7B); the update's compiler options turn that pass off. The v5p compiler makes these
-    copies from a few MiB of weights per chip on (the v5e compiler not at these sizes): three
+    copies from a few MiB of weights per chip on (the v5e compiler not at these sizes): two
     layers 1024 wide, MLP 4096."""
     from configs import tiny
     config = tiny.get_config()
     config.model.update(dtype="bfloat16", param_dtype="float32", remat=True)
-    config.model.tiny.update(num_layers=3, hidden_size=1024, intermediate_size=4096)
+    config.model.tiny.update(num_layers=2, hidden_size=1024, intermediate_size=4096)
     assert _whole_stack_casts(config, monkeypatch, tmp_path / "ours") == []
     assert _whole_stack_casts(config, monkeypatch, tmp_path / "pass_on", options={})   # it can fail
