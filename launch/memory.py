@@ -201,8 +201,8 @@ def cost_lines(steps, target) -> list[str]:
     from logra_jax.perf import tpu
     lines = []
     for s in steps:
-        line = (f"cost per device: {s.optimizer} {s.flops:.3g} matmul FLOPs per update (loops as "
-                f"they run), ≥ {s.bytes_accessed:.3g} bytes accessed (XLA, loop bodies once)")
+        line = (f"cost per device: {s.optimizer} {s.flops:.3e} matmul FLOPs per update (loops as "
+                f"they run), ≥ {s.bytes_accessed:.3e} bytes accessed (XLA, loop bodies once)")
         if target is not None:
             bound = tpu.roofline_seconds(s.flops, s.bytes_accessed, target)
             kind = "compute" if bound["compute"] >= bound["memory"] else "memory"

@@ -83,7 +83,7 @@ def test_last_line_is_the_ratio_of_the_peaks(report):
     assert "largest buffers live at the logra peak" in stdout
     # The cost lines: LoGRA's update skips the targets' dense weight gradients, so fewer FLOPs.
     assert 0 < steps["logra"]["flops"] < steps["adamw"]["flops"]
-    assert f"cost per device: logra {steps['logra']['flops']:.3g} matmul FLOPs per update" in stdout
+    assert f"cost per device: logra {steps['logra']['flops']:.3e} matmul FLOPs per update" in stdout
     assert 0 < steps["logra"]["bytes_accessed"]
 
 
