@@ -259,7 +259,15 @@ def main(argv):
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"error: {e}")
     own = cols[0][0]   # the config's own column: its refusal is the run's verdict, printed last
+    refusals = {label: {"program": e.program, "needed": e.needed, "available": e.available}
+                for label, e in refused.items()}
     if not steps:
+        if _JSON.value:   # every column refused: the refusals are the record
+            with open(_JSON.value, "w") as f:
+                json.dump({"target": _TARGET.value, "libtpu": tpu.libtpu_version(), "steps": [],
+                           "footprint": {}, "refused": refusals,
+                           "param_dtype": config.model.param_dtype,
+                           "hbm_per_device": target.hbm_per_device if target else None}, f, indent=1)
         sys.exit(refusal_line(refused[own], _TARGET.value))
 
     rl = config.rl
@@ -285,8 +293,7 @@ def main(argv):
                    "rollouts": [r.__dict__ for r in rollouts] if rollouts else None,
                    "target": target.name if target else "cpu", "libtpu": tpu.libtpu_version(),
                    "hbm_per_device": target.hbm_per_device if target else None,
-                   "refused": {label: {"program": e.program, "needed": e.needed,
-                                       "available": e.available} for label, e in refused.items()}}
+                   "refused": refusals, "param_dtype": config.model.param_dtype}
         with open(_JSON.value, "w") as f:
             json.dump(payload, f, indent=1)
     print("\n".join(cost_lines(steps, target)))

@@ -193,3 +193,24 @@ def test_fp32_weight_stacks_are_cast_per_layer_not_copied_whole_in_bf16(monkeypa
     config.model.tiny.update(num_layers=2, hidden_size=1024, intermediate_size=4096)
     assert _whole_stack_casts(config, monkeypatch, tmp_path / "ours") == []
     assert _whole_stack_casts(config, monkeypatch, tmp_path / "pass_on", options={})   # it can fail
+
+
+def test_the_unattended_table_reads_each_cells_plan(tiny_on_tpu, tmp_path):
+    """launch.memory_table: one launch.memory run per (config, slice), tabulated from its JSON —
+    a fitting column's footprint and peak, a refused one's need, cells not yet run, and the
+    largest model whose first column fits each slice."""
+    from launch import memory_table
+    _, plan = tiny_on_tpu
+    (tmp_path / "tiny@v5e-8.json").write_text(json.dumps(plan))
+    text = memory_table.table(["configs/tiny.py", "configs/gemma3_27b.py"], [TARGET],
+                              ["logra:bf16", "adamw"], tmp_path)
+    footprint = plan["footprint"]["logra"]["total"] / 2 ** 30
+    needed = plan["refused"]["adamw/fp32"]["needed"] / 2 ** 30
+    assert f"| tiny | {TARGET} | {footprint:.2f} (" in text
+    assert f"| refused: needs {needed:.1f} |" in text
+    assert f"| gemma3_27b | {TARGET} | not run | not run |" in text
+    assert text.endswith(f"fits: {TARGET}: tiny.")
+    args = memory_table.command("configs/gemma3_27b.py", "v6e-8", ["logra:bf16", "adamw"],
+                                tmp_path / "cell.json")
+    assert args[args.index("--rollout_devices") + 1] == "0" and "--compare" in args
+    assert "--config.rl.micro_batch_size=8" in args and "--config.model.param_dtype=bfloat16" in args

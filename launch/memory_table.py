@@ -1,0 +1,136 @@
+"""The per-chip RL footprint of several models × TPU slices × optimizers, by the TPU compiler, unattended.
+
+    python -m launch.memory_table --workdir /tmp/tpu_table \
+        [--configs configs/qwen2_5_7b_gsm8k.py,configs/gemma3_27b.py,configs/llama3_70b.py] \
+        [--targets v5p-8,v5p-16,v6e-8,tpu7x-8] [--columns logra:bf16,logra:fp32,lora,adamw,galore] \
+        [--out table.md] [--report_only]
+
+Each (config, target) cell is one ``python -m launch.memory --target T --compare ...`` run with the
+same layout everywhere: the sampler colocated (``--rollout_devices 0``), FSDP over all of the
+slice's devices, one sequence per device per micro-step. A 7B–70B cell takes 5–30 minutes of
+this machine's CPU, so the runs are resumable: each writes ``<workdir>/<config>@<target>.json`` and
+a cell whose JSON exists is not run again (stop at any time; run the same command to go on). A
+column the compiler refuses keeps its figure ("refused: needs X"); each run's output is kept in
+``<cell>.log`` (a run that failed, with no JSON, is run again next time).
+
+The table (markdown, to stdout and ``--out``): per model and slice, each column's RL footprint
+(the larger of the update and rollout phases) and update peak, GiB per chip, marked when it does
+not fit the chip's HBM; then, per slice, the largest model whose full-parameter RL (the first
+column) fits one host.
+"""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+from absl import app, flags
+
+_CONFIGS = flags.DEFINE_list("configs", ["configs/qwen2_5_7b_gsm8k.py", "configs/gemma3_27b.py",
+                                         "configs/llama3_70b.py"], "Config files, one row each.")
+_TARGETS = flags.DEFINE_list("targets", ["v5p-8", "v5p-16", "v6e-8", "tpu7x-8"],
+                             "TPU slices (perf/tpu.py's Cloud names).")
+_COLUMNS = flags.DEFINE_list("columns", ["logra:bf16", "logra:fp32", "lora", "adamw", "galore"],
+                             "Columns: the first is the config's optimizer with those weights, the "
+                             "rest are --compare columns.")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Where each cell's JSON and log are kept.")
+_OUT = flags.DEFINE_string("out", None, "Also write the markdown table here.")
+_REPORT_ONLY = flags.DEFINE_bool("report_only", False, "Run nothing: tabulate the cells done.")
+flags.mark_flags_as_required(["workdir"])
+
+GIB = 2 ** 30
+_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+
+
+def cell_name(config: str, target: str) -> str:
+    return f"{pathlib.Path(config).stem}@{target}"
+
+
+def command(config: str, target: str, columns: list[str], json_path: pathlib.Path) -> list[str]:
+    """The launch.memory run of one cell: the first column is the config's own optimizer with that
+    column's weights; one sequence per device per micro-step on the slice's devices."""
+    from logra_jax.perf import tpu
+    first, _, dtype = columns[0].partition(":")
+    args = [sys.executable, "-m", "launch.memory", "--config", config, "--target", target,
+            "--rollout_devices", "0", "--optimizer", first, "--json", str(json_path),
+            f"--config.rl.micro_batch_size={tpu.target(target).devices}"]
+    if dtype:
+        args.append(f"--config.model.param_dtype={_DTYPES[dtype]}")
+    if columns[1:]:
+        args += ["--compare", ",".join(columns[1:])]
+    return args
+
+
+def run_cell(config: str, target: str, columns: list[str], workdir: pathlib.Path) -> None:
+    json_path = workdir / f"{cell_name(config, target)}.json"
+    if json_path.exists():
+        return
+    log = workdir / f"{cell_name(config, target)}.log"
+    print(f"compiling {cell_name(config, target)} ...", flush=True)
+    partial = json_path.with_suffix(".partial.json")
+    with open(log, "w") as out:
+        subprocess.run(command(config, target, columns, partial), stdout=out, stderr=out)
+    if partial.exists():   # written by launch.memory, whether its own column fits or not
+        partial.rename(json_path)
+
+
+def _label_of(column: str, own_dtype: str | None) -> str:
+    """launch.memory's label of a column (perf/memory.py: columns)."""
+    name, _, dtype = column.partition(":")
+    if name in ("adamw", "adafactor", "galore"):
+        return name if own_dtype == "float32" else f"{name}/fp32"
+    dtype = _DTYPES.get(dtype, own_dtype)
+    return name if dtype == own_dtype else f"{name}/{'bf16' if dtype == 'bfloat16' else 'fp32'}"
+
+
+def cell_text(plan: dict, column: str, own_dtype: str) -> str:
+    label = _label_of(column, own_dtype)
+    if label in plan.get("refused", {}):
+        return f"refused: needs {plan['refused'][label]['needed'] / GIB:.1f}"
+    footprint = plan.get("footprint", {}).get(label)
+    if footprint is None:
+        return "–"
+    peak = next(s["peak"] for s in plan["steps"] if s["optimizer"] == label)
+    fits = plan["hbm_per_device"] is None or footprint["total"] <= plan["hbm_per_device"]
+    return f"{footprint['total'] / GIB:.2f} ({peak / GIB:.2f})" + ("" if fits else " ✗")
+
+
+def table(configs: list[str], targets: list[str], columns: list[str], workdir: pathlib.Path) -> str:
+    lines = ["| model | slice | " + " | ".join(columns) + " |",
+             "|---|---|" + "---|" * len(columns)]
+    largest: dict[str, str] = {}
+    for config in configs:
+        for target in targets:
+            path = workdir / f"{cell_name(config, target)}.json"
+            if not path.exists():
+                lines.append(f"| {pathlib.Path(config).stem} | {target} | "
+                             + " | ".join("not run" for _ in columns) + " |")
+                continue
+            plan = json.loads(path.read_text())
+            texts = [cell_text(plan, c, plan["param_dtype"]) for c in columns]
+            lines.append(f"| {pathlib.Path(config).stem} | {target} | " + " | ".join(texts) + " |")
+            if not (texts[0].startswith("refused") or texts[0].endswith("✗") or texts[0] == "–"):
+                largest[target] = pathlib.Path(config).stem   # configs run smallest model first
+    lines.append("")
+    lines.append(f"GiB per chip: RL footprint (update peak); ✗ over the chip's HBM. Largest model "
+                 f"whose {columns[0]} RL fits: "
+                 + "; ".join(f"{t}: {largest.get(t, 'none')}" for t in targets) + ".")
+    return "\n".join(lines)
+
+
+def main(argv):
+    del argv
+    workdir = pathlib.Path(_WORKDIR.value)
+    workdir.mkdir(parents=True, exist_ok=True)
+    if not _REPORT_ONLY.value:
+        for config in _CONFIGS.value:
+            for target in _TARGETS.value:
+                run_cell(config, target, _COLUMNS.value, workdir)
+    text = table(_CONFIGS.value, _TARGETS.value, _COLUMNS.value, workdir)
+    print(text)
+    if _OUT.value:
+        pathlib.Path(_OUT.value).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    app.run(main)
