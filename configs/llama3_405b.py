@@ -7,9 +7,9 @@ control is the trust region), 16 prompts × 8 completions × (512 + 1536) tokens
 
 The bf16 weights alone are 811.7 GB, more than any 8-accelerator node holds, so the plan is for a
 TPU slice: ``python -m launch.memory --config configs/llama3_405b.py --target v5p-32 --compare
-adamw`` (FSDP over all 16 chips, micro-steps of 32 rows: one sequence per device on 32 devices,
-two on 16). ``rl.rollout_micro_batch`` generates the 128 rows in passes when the KV cache of all of
-them does not fit beside the weights.
+adamw`` (FSDP over all 16 chips, micro-steps of 16 rows: one sequence per chip; on a larger
+slice give ``--config.rl.micro_batch_size`` its device count). ``rl.rollout_micro_batch``
+generates the 128 rows in passes when the KV cache of all of them does not fit beside the weights.
 """
 
 from configs import base
@@ -20,7 +20,7 @@ def get_config():
     # colocated, sync.mode "off": the sampler reads the bf16 params themselves
     base.use_model_shape(c, "llama3_1_405b", param_dtype="bfloat16", fsdp=-1)
 
-    base.use_reference_batch(c, micro_batch_size=32)
+    base.use_reference_batch(c, micro_batch_size=16)
     c.rl.beta = 0.0
 
     base.use_logra_variant(c, "grpo")

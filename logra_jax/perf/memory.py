@@ -38,7 +38,7 @@ from logra_jax.perf import matmul_count, tpu
 from logra_jax.rl import build
 from logra_jax.rl.policy import Policy, Sequences
 from logra_jax.rl.sampler import Sampler
-from logra_jax.rl.update import UPDATE_COMPILER_OPTIONS, TrainBatch
+from logra_jax.rl.update import TrainBatch, update_compiler_options
 from logra_jax.tree_paths import leaves_with_paths
 
 GIB = 2 ** 30
@@ -224,8 +224,9 @@ def update_step_memory(config: ml_collections.ConfigDict, mesh: Mesh, *, micro_s
         options = {"xla_dump_to": str(dump_dir), "xla_dump_hlo_as_text": True,
                    "xla_dump_hlo_module_re": ".*_step_impl.*"}
     if not hoist_invariants:   # added to the update's own disabled passes (this option replaces them)
-        options["xla_disable_hlo_passes"] = ",".join(
-            [UPDATE_COMPILER_OPTIONS["xla_disable_hlo_passes"], "while-loop-invariant-code-motion"])
+        options["xla_disable_hlo_passes"] = ",".join(filter(None, [
+            update_compiler_options(params).get("xla_disable_hlo_passes"),
+            "while-loop-invariant-code-motion"]))
     lowered = update.jitted(params, opt_state).lower(params, opt_state, batch)
     try:
         compiled = tpu.compile_or_refuse(lowered, compiler_options=options or None,
