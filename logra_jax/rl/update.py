@@ -209,16 +209,6 @@ class PolicyUpdate:
         micro = jax.tree.map(
             lambda x: x.reshape((self.micro_batch_size, n_micro) + x.shape[1:]).swapaxes(0, 1), batch)
         probe = jax.tree.map(lambda x: x[:self.probe_size], batch)
-        # The realized KL on the probe (after the merge) compares against the old weights' hidden
-        # states and head: full-vocabulary logits exist only a few positions at a time
-        # (exact_kl_from_hidden). That pass runs first, before the micro-steps, when nothing else
-        # is live: left free, a scheduler may place it after a merge and must then keep a copy of
-        # that weight stack's old values (the TPU compiler did, for Qwen2.5-7B's down_proj: 1.77
-        # GiB per chip), or beside the accumulated gradients. The barrier makes everything below
-        # wait for it.
-        hidden_old = self.policy.hidden(params, probe.seqs)
-        head_old = self.policy.bind(params).head_kernel()
-        hidden_old, head_old, params = jax.lax.optimization_barrier((hidden_old, head_old, params))
         # k of this update's A (a factors sync regenerates A from it), read before the step.
         k = update_index(opt_state) if self.return_updates else None
 
@@ -276,6 +266,14 @@ class PolicyUpdate:
         metrics = {name: jnp.mean(value) for name, value in aux.items()}
         metrics["logra/mismatch_now"] = mismatch
 
+        # The realized KL on the probe, from hidden states and heads: full-vocabulary logits exist
+        # only a few positions at a time (exact_kl_from_hidden).
+        hidden_old = self.policy.hidden(params, probe.seqs)
+        head_old = self.policy.bind(params).head_kernel()
+        # The old weights' pass over the probe runs before the optimizer writes any weight: left
+        # free, a scheduler may place it after a merge and must then keep a copy of that weight
+        # stack's old values (the TPU compiler did, for Qwen2.5-7B's down_proj: 1.77 GiB per chip).
+        hidden_old, head_old, params = jax.lax.optimization_barrier((hidden_old, head_old, params))
         extra = {}
         if self.kl_control:
             def probe_logits(others_, factors_):
