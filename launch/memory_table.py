@@ -26,18 +26,6 @@ import sys
 
 from absl import app, flags
 
-_CONFIGS = flags.DEFINE_list("configs", ["configs/qwen2_5_7b_gsm8k.py", "configs/gemma3_27b.py",
-                                         "configs/llama3_70b.py"], "Config files, one row each.")
-_TARGETS = flags.DEFINE_list("targets", ["v5p-8", "v5p-16", "v6e-8", "tpu7x-8"],
-                             "TPU slices (perf/tpu.py's Cloud names).")
-_COLUMNS = flags.DEFINE_list("columns", ["logra:bf16", "logra:fp32", "lora", "adamw", "galore"],
-                             "Columns: the first is the config's optimizer with those weights, the "
-                             "rest are --compare columns.")
-_WORKDIR = flags.DEFINE_string("workdir", None, "Where each cell's JSON and log are kept.")
-_OUT = flags.DEFINE_string("out", None, "Also write the markdown table here.")
-_REPORT_ONLY = flags.DEFINE_bool("report_only", False, "Run nothing: tabulate the cells done.")
-flags.mark_flags_as_required(["workdir"])
-
 GIB = 2 ** 30
 _DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 
@@ -118,19 +106,37 @@ def table(configs: list[str], targets: list[str], columns: list[str], workdir: p
     return "\n".join(lines)
 
 
+def define_flags():
+    """The command line's flags, defined only when this file runs as the program (importing it,
+    as the tests do, must not add flags to a process that has its own)."""
+    flags.DEFINE_list("configs", ["configs/qwen2_5_7b_gsm8k.py", "configs/gemma3_27b.py",
+                                   "configs/llama3_70b.py"], "Config files, one row each.")
+    flags.DEFINE_list("targets", ["v5p-8", "v5p-16", "v6e-8", "tpu7x-8"],
+                      "TPU slices (perf/tpu.py's Cloud names).")
+    flags.DEFINE_list("columns", ["logra:bf16", "logra:fp32", "lora", "adamw", "galore"],
+                      "Columns: the first is the config's optimizer with those weights, the rest "
+                      "are --compare columns.")
+    flags.DEFINE_string("workdir", None, "Where each cell's JSON and log are kept.")
+    flags.DEFINE_string("out", None, "Also write the markdown table here.")
+    flags.DEFINE_bool("report_only", False, "Run nothing: tabulate the cells done.")
+    flags.mark_flags_as_required(["workdir"])
+
+
 def main(argv):
     del argv
-    workdir = pathlib.Path(_WORKDIR.value)
+    f = flags.FLAGS
+    workdir = pathlib.Path(f.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    if not _REPORT_ONLY.value:
-        for config in _CONFIGS.value:
-            for target in _TARGETS.value:
-                run_cell(config, target, _COLUMNS.value, workdir)
-    text = table(_CONFIGS.value, _TARGETS.value, _COLUMNS.value, workdir)
+    if not f.report_only:
+        for config in f.configs:
+            for target in f.targets:
+                run_cell(config, target, f.columns, workdir)
+    text = table(f.configs, f.targets, f.columns, workdir)
     print(text)
-    if _OUT.value:
-        pathlib.Path(_OUT.value).write_text(text + "\n")
+    if f.out:
+        pathlib.Path(f.out).write_text(text + "\n")
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)
