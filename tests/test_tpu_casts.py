@@ -1,50 +1,81 @@
 """The TPU compiler's update keeps fp32 weight stacks whole: cast to bf16 one layer at a time.
 
-In a file of its own so that the test runner can give its two compiles (about a minute) to the
-other worker than test_tpu_compile.py's.
+In a file of its own so that the test runner can give its compiles to the other worker than
+test_tpu_compile.py's.
 """
 
 import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from logra_jax.perf import tpu
 
 pytestmark = pytest.mark.skipif(tpu.libtpu_version() is None,
                                 reason="libtpu (the 'tpu' extra) is not installed: no TPU compiler")
+TARGET = "v5p-8"   # the v5p compiler makes the copies from a few MiB per chip on (v5e's not yet)
 
 
-def _whole_stack_casts(config, monkeypatch, tmp_path, options=None):
-    """The bf16 casts of whole [layers, in, out] weight stacks (entry parameters) in the TPU
-    compiler's update for 4 v5p chips."""
-    from logra_jax.perf import memory
-    from logra_jax.rl import update
-    from logra_jax.rl.build import build_mesh
-    if options is not None:
-        monkeypatch.setattr(update, "update_compiler_options", lambda params: options)
-    target = tpu.target("v5p-8")
-    mesh = build_mesh({"fsdp": target.devices, "tensor": 1}, tpu.devices(target))
-    memory.update_step_memory(config, mesh, micro_steps=1, dump_dir=tmp_path)
-    text = next(p for p in tmp_path.glob("*_step_impl*after_optimizations.txt")).read_text()
-    layers = config.model.tiny.num_layers
-    return re.findall(rf"bf16\[{layers},\d+,\d+\]\S* convert\(%param[.\d]*\)", text)
+def _whole_stack_casts(hlo_text: str, layers: int) -> list[str]:
+    """bf16 casts of whole [layers, in, out] fp32 entry parameters in an optimized TPU program."""
+    return re.findall(rf"bf16\[{layers},\d+,\d+\]\S* convert\(%param[.\d]*\)", hlo_text)
 
 
-def test_fp32_weight_stacks_are_cast_per_layer_not_copied_whole_in_bf16(monkeypatch, tmp_path):
-    """fp32 master weights, bf16 compute: the layer scan casts each layer's kernels as it reaches
-    them. The TPU compiler's bfloat16-propagation pass would instead cast every whole stack once
-    before the micro-steps and hold the bf16 copies through the update (2.66 GiB per chip at
-    Qwen2.5-7B); the update's compiler options turn that pass off for fp32 stacks (bf16 weights keep
-    it: nothing to cast, and it saves them memory elsewhere). The v5p compiler makes these
-    copies from a few MiB of weights per chip on (the v5e compiler not at these sizes): two
-    layers 1024 wide, MLP 4096."""
+def _fp32_stack_update(options: dict) -> str:
+    """The shape of our update in 20 lines: fp32 stacks [4, 1024, 4096] read by a remat'ed layer
+    scan through bf16 casts, gradients summed over a micro-step scan; its optimized TPU program."""
+    mesh = Mesh(np.array(tpu.devices(tpu.target(TARGET))), ("fsdp",))
+
+    def layer(h, weights):
+        up, down = weights
+        body = lambda h, up, down: h + jax.nn.relu(h @ up.astype(jnp.bfloat16)) @ down.astype(jnp.bfloat16)
+        return jax.checkpoint(body)(h, up, down), None
+
+    def loss(weights, x):
+        h, _ = jax.lax.scan(layer, x, weights)
+        return jnp.sum(h.astype(jnp.float32) ** 2)
+
+    def gradients(weights, xs):
+        def micro(g, x):
+            return jax.tree.map(jnp.add, g, jax.grad(loss)(weights, x)), None
+        return jax.lax.scan(micro, jax.tree.map(jnp.zeros_like, weights), xs)[0]
+
+    stack = lambda shape, spec: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, spec))
+    weights = (stack((4, 1024, 4096), P(None, "fsdp", None)), stack((4, 4096, 1024), P(None, None, "fsdp")))
+    xs = jax.ShapeDtypeStruct((2, 512, 1024), jnp.bfloat16, sharding=NamedSharding(mesh, P(None, "fsdp")))
+    return jax.jit(gradients).lower(weights, xs).compile(compiler_options=options or None).as_text()
+
+
+def test_the_compiler_copies_fp32_stacks_whole_unless_the_update_options_say_not_to():
+    """The mechanism, on a program that compiles in seconds: the bfloat16-propagation pass sees the
+    loop read each fp32 stack only through bf16 casts and casts the whole stack once before the
+    loops (a bf16 copy held through the update: 2.66 GiB per chip at Qwen2.5-7B). The update's
+    options for fp32 stacks turn it off; for bf16 weights they are empty (nothing to cast, and the
+    pass saves them memory elsewhere)."""
+    from logra_jax.rl.update import update_compiler_options
+    fp32, bf16 = (jax.ShapeDtypeStruct((4, 8, 8), dtype) for dtype in (jnp.float32, jnp.bfloat16))
+    assert update_compiler_options({"kernel": bf16}) == {}
+    assert _whole_stack_casts(_fp32_stack_update({}), layers=4)   # the pass on: a whole-stack copy
+    assert _whole_stack_casts(_fp32_stack_update(update_compiler_options({"kernel": fp32})), layers=4) == []
+
+
+def test_our_fp32_update_casts_each_layer_as_the_scan_reaches_it(tmp_path):
+    """Our update, fp32 master weights under bf16 compute, compiled for the TPU with its own
+    options: no whole-stack casts. (Without the options this update made them at these sizes — two
+    layers 1024 wide, MLP 4096 — when the options were added; the test above keeps the mechanism
+    in view at a fraction of this compile.)"""
     from configs import tiny
+    from logra_jax.perf import memory
+    from logra_jax.rl.build import build_mesh
     config = tiny.get_config()
     config.model.update(dtype="bfloat16", param_dtype="float32", remat=True)
     config.model.tiny.update(num_layers=2, hidden_size=1024, intermediate_size=4096)
-    from logra_jax.rl.update import update_compiler_options
-    assert update_compiler_options({"kernel": jax.ShapeDtypeStruct((2, 8, 8), jnp.bfloat16)}) == {}
-    assert _whole_stack_casts(config, monkeypatch, tmp_path / "ours") == []
-    assert _whole_stack_casts(config, monkeypatch, tmp_path / "pass_on", options={})   # it can fail
+    target = tpu.target(TARGET)
+    mesh = build_mesh({"fsdp": target.devices, "tensor": 1}, tpu.devices(target))
+    memory.update_step_memory(config, mesh, micro_steps=1, dump_dir=tmp_path)
+    text = next(tmp_path.glob("*_step_impl*after_optimizations.txt")).read_text()
+    assert re.search(r"f32\[2,\d+,\d+\]\S* parameter\(", text)   # the fp32 stacks are there
+    assert _whole_stack_casts(text, layers=2) == []
