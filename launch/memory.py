@@ -31,7 +31,8 @@ Before the ratio lines, a cost line per column: the update's matmul FLOPs per de
 runs (`perf/matmul_count.py`), XLA's bytes accessed (its cost analysis counts a loop body once: a
 lower bound) and, for a TPU target, the roofline lower bound max(FLOPs / peak bf16 FLOP/s, bytes /
 HBM bandwidth) from the chip's published figures; and the FLOPs ratio to the first column.
-``--explain N`` also lists the N largest buffers live at each peak, as XLA names them.
+``--explain N`` also lists the N largest buffers live at each peak, named by the JAX op or parameter
+path that made each one (bytes two values share counted once).
 ``--hosts H`` plans a mesh that spans H hosts (``--mesh fsdp=16 --hosts 2``: 2 × 8 GPUs): a device's
 memory does not depend on which process drives it, so the table is per device as always, and the
 header adds each host's share.
