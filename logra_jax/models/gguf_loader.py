@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import mmap
 import pathlib
+import struct
 
 import gguf
 import numpy as np
@@ -60,13 +62,74 @@ def smollm2_gguf_path() -> pathlib.Path:
 
 @functools.cache
 def smollm2_tokenizer() -> Tokenizer:
-    """SmolLM2's tokenizer (the tiny config's), read once per process.
+    """SmolLM2's tokenizer (the tiny config's), read once per process from the GGUF's metadata.
 
-    ``gguf.GGUFReader`` takes seconds on this file: it maps each of the 49k tokens and 48k merges
-    into its own array view. A `Tokenizer` is never mutated after construction, so one instance
-    serves every model built in the process (tests build dozens).
+    A `Tokenizer` is never mutated after construction, so one instance serves every model built in
+    the process (tests build dozens).
     """
-    return tokenizer_from_gguf(gguf.GGUFReader(smollm2_gguf_path()))
+    return tokenizer_from_gguf(gguf_metadata(smollm2_gguf_path()))
+
+
+# GGUF value types (the format's numbering) → struct codes; 8 is a string, 9 an array.
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY = 8, 9
+
+
+def gguf_metadata(path: str | pathlib.Path) -> dict:
+    """A GGUF file's key-value metadata ({key: value}, as ``GGUFField.contents()`` gives it), read in
+    one pass over the header without touching the tensors.
+
+    ``gguf.GGUFReader`` takes ~5 s on SmolLM2's file, once per process: it maps each of the 49k
+    tokens and 48k merges into numpy views of their own before anything is read; this loop over
+    the same bytes takes a fraction of a second. The layout (GGUF v2/v3, little-endian): magic
+    ``GGUF``, version u32, tensor count u64, key-value count u64; then per key a string (u64 length
+    + UTF-8), a value type u32 and the value — a scalar, a string, or an array (item type u32,
+    count u64, items).
+    """
+    with open(path, "rb") as f:   # mapped: only the header's pages are read, not the tensors
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            return _read_metadata(data, path)
+
+
+def _read_metadata(data: mmap.mmap, path) -> dict:
+    if data[:4] != b"GGUF":
+        raise ValueError(f"{path} is not a GGUF file")
+    version, _, count = struct.unpack_from("<IQQ", data, 4)
+    if version < 2:
+        raise ValueError(f"{path}: GGUF version {version} is not supported (2 or 3)")
+    offset = 24
+
+    def string() -> str:
+        nonlocal offset
+        (length,) = struct.unpack_from("<Q", data, offset)
+        offset += 8 + length
+        return data[offset - length:offset].decode("utf-8")
+
+    def value(kind: int):
+        nonlocal offset
+        if kind == _STRING:
+            return string()
+        if kind == _ARRAY:
+            item, n = struct.unpack_from("<IQ", data, offset)
+            offset += 12
+            if item in _SCALARS:     # numbers: one unpack for the whole array
+                items = list(struct.unpack_from(f"<{n}{_SCALARS[item]}", data, offset))
+                offset += n * struct.calcsize(_SCALARS[item])
+                return items
+            return [value(item) for _ in range(n)]
+        if kind not in _SCALARS:
+            raise ValueError(f"{path}: unknown GGUF value type {kind}")
+        (result,) = struct.unpack_from("<" + _SCALARS[kind], data, offset)
+        offset += struct.calcsize(_SCALARS[kind])
+        return result
+
+    metadata = {}
+    for _ in range(count):
+        key = string()
+        (kind,) = struct.unpack_from("<I", data, offset)
+        offset += 4
+        metadata[key] = value(kind)
+    return metadata
 
 
 def unpermute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -83,7 +146,10 @@ def unpermute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(weight.shape))
 
 
-def _field(reader: gguf.GGUFReader, key: str, default=None):
+def _field(reader: gguf.GGUFReader | dict, key: str, default=None):
+    """A metadata value from a ``GGUFReader`` or from `gguf_metadata`'s dict."""
+    if isinstance(reader, dict):
+        return reader.get(key, default)
     field = reader.fields.get(key)
     return default if field is None else field.contents()
 
@@ -115,7 +181,7 @@ def config_from_gguf(reader: gguf.GGUFReader, **overrides) -> ModelConfig:
     return ModelConfig(**values)
 
 
-def tokenizer_from_gguf(reader: gguf.GGUFReader) -> Tokenizer:
+def tokenizer_from_gguf(reader: gguf.GGUFReader | dict) -> Tokenizer:
     """A byte-level BPE tokenizer from ``tokenizer.ggml.*`` metadata (llama.cpp's "gpt2" model).
 
     The pre-tokenizer follows llama.cpp's name for it: "smollm" splits every digit on its own before
