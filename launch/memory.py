@@ -190,8 +190,11 @@ def measure(config, cols, mesh_sizes, rollout_devices, micro_steps, explain, hoi
 def refusal_line(refusal, target_name: str) -> str:
     """The TPU compiler's refusal of a column's program as one line."""
     from logra_jax.perf import tpu
+    lever = ("; rollouts in smaller passes hold one pass's KV cache: "
+             "--config.rl.rollout_micro_batch=N, N dividing the rows"
+             if refusal.program.startswith("the sampler's generate") else "")
     return (f"does not fit: {refusal.program} needs {tpu.gib_text(refusal.needed)} of "
-            f"{tpu.gib_text(refusal.available)} HBM per device on {target_name} (the TPU "
+            f"{tpu.gib_text(refusal.available)} HBM per device on {target_name}{lever} (the TPU "
             f"compiler's refusal: {refusal})")
 
 

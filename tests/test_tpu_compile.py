@@ -121,6 +121,7 @@ def test_a_plan_over_the_budget_is_one_line_and_a_nonzero_exit(tmp_path):
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("does not fit: the sampler's generate (8192 rows) needs "), last
     assert f"HBM per device on {TARGET}" in last and "Traceback" not in result.stderr
+    assert "--config.rl.rollout_micro_batch=N" in last   # the lever the next test shows
     needed = float(last.split(" needs ")[1].split(" GiB")[0])
     assert needed > tpu.target(TARGET).hbm_per_device / 2 ** 30
 
