@@ -7,8 +7,9 @@
 
 Each (config, target) cell is one ``python -m launch.memory --target T --compare ...`` run with the
 same layout everywhere: the sampler colocated (``--rollout_devices 0``), FSDP over all of the
-slice's devices, one sequence per device per micro-step. A 7B–70B cell takes 5–30 minutes of
-this machine's CPU, so the runs are resumable: each writes ``<workdir>/<config>@<target>.json`` and
+slice's devices, one sequence per device per micro-step. A 7B–70B cell takes 5–60 minutes of a
+2-core machine's CPU and, at 7B, 16 GB of its memory (five updates and a sampler compiled in one
+process: run nothing big beside it), so the runs are resumable: each writes ``<workdir>/<config>@<target>.json`` and
 a cell whose JSON exists is not run again (stop at any time; run the same command to go on). A
 column the compiler refuses keeps its figure ("refused: needs X"); each run's output is kept in
 ``<cell>.log`` (a run that failed, with no JSON, is run again next time).
