@@ -74,7 +74,7 @@ from logra_jax import config as config_lib  # noqa: E402
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file.",
                                           lock_config=False)
 _MESH = flags.DEFINE_string("mesh", None, "Training mesh, e.g. fsdp=4,tensor=1 (default: config.mesh).")
-_OPTIMIZER = flags.DEFINE_enum("optimizer", None, ["logra", "adamw", "adafactor", "galore"],
+_OPTIMIZER = flags.DEFINE_enum("optimizer", None, list(config_lib.OPTIMIZERS),
                                "Optimizer to measure (default: config.optimizer.name).")
 _COMPARE = flags.DEFINE_list("compare", None,
                              "Also measure these columns (logra | adamw | adafactor | galore; "

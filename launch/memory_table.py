@@ -5,14 +5,17 @@
         [--targets v5p-8,v5p-16,v6e-8,tpu7x-8] [--columns logra:bf16,logra:fp32,lora,adamw,galore] \
         [--out table.md] [--report_only]
 
-Each (config, target) cell is one ``python -m launch.memory --target T --compare ...`` run with the
-same layout everywhere: the sampler colocated (``--rollout_devices 0``), FSDP over all of the
-slice's devices, one sequence per device per micro-step. A 7B–70B cell takes 5–60 minutes of a
-2-core machine's CPU and, at 7B, 16 GB of its memory (five updates and a sampler compiled in one
-process: run nothing big beside it), so the runs are resumable: each writes ``<workdir>/<config>@<target>.json`` and
-a cell whose JSON exists is not run again (stop at any time; run the same command to go on). A
-column the compiler refuses keeps its figure ("refused: needs X"); each run's output is kept in
-``<cell>.log`` (a run that failed, with no JSON, is run again next time).
+Each column of each (config, target) cell is one ``python -m launch.memory --target T`` run of
+that column's optimizer and weights (its update and its sampler's ``generate``), with the same
+layout everywhere: the sampler colocated (``--rollout_devices 0``), FSDP over all of the slice's
+devices, one sequence per device per micro-step. One program pair per process bounds the host
+memory a run holds (five updates and a sampler in one process took 16 GB at 7B and were
+OOM-killed beside the test suite; one column takes about 4 GB), at the price of compiling the
+sampler once per column. A 7B–70B column takes 2–15 minutes of a 2-core machine's CPU, so the
+runs are resumable: each writes ``<workdir>/<config>@<target>@<column>.json`` and a column whose
+JSON exists is not run again (stop at any time; run the same command to go on). A column the
+compiler refuses keeps its figure ("refused: needs X"); each run's output is kept in a ``.log``
+beside it (a run that failed, with no JSON, is run again next time).
 
 The table (markdown, to stdout and ``--out``): per model and slice, each column's RL footprint
 (the larger of the update and rollout phases) and update peak, GiB per chip, marked when it does
@@ -31,35 +34,34 @@ GIB = 2 ** 30
 _DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 
 
-def cell_name(config: str, target: str) -> str:
-    return f"{pathlib.Path(config).stem}@{target}"
+def cell_name(config: str, target: str, column: str) -> str:
+    return f"{pathlib.Path(config).stem}@{target}@{column.replace(':', '-')}"
 
 
-def command(config: str, target: str, columns: list[str], json_path: pathlib.Path) -> list[str]:
-    """The launch.memory run of one cell: the first column is the config's own optimizer with that
-    column's weights; one sequence per device per micro-step on the slice's devices."""
+def command(config: str, target: str, column: str, json_path: pathlib.Path) -> list[str]:
+    """The launch.memory run of one column: its optimizer with its weights (``logra:bf16``) or, for
+    a dense baseline, the usual fp32 master weights; one sequence per device per micro-step on the
+    slice's devices."""
     from logra_jax.perf import tpu
-    first, _, dtype = columns[0].partition(":")
+    name, _, dtype = column.partition(":")
     args = [sys.executable, "-m", "launch.memory", "--config", config, "--target", target,
-            "--rollout_devices", "0", "--optimizer", first, "--json", str(json_path),
+            "--rollout_devices", "0", "--optimizer", name, "--json", str(json_path),
             f"--config.rl.micro_batch_size={tpu.target(target).devices}"]
     if dtype:
         args.append(f"--config.model.param_dtype={_DTYPES[dtype]}")
-    if columns[1:]:
-        args += ["--compare", ",".join(columns[1:])]
     return args
 
 
-def run_cell(config: str, target: str, columns: list[str], workdir: pathlib.Path) -> None:
-    json_path = workdir / f"{cell_name(config, target)}.json"
+def run_column(config: str, target: str, column: str, workdir: pathlib.Path) -> None:
+    name = cell_name(config, target, column)
+    json_path = workdir / f"{name}.json"
     if json_path.exists():
         return
-    log = workdir / f"{cell_name(config, target)}.log"
-    print(f"compiling {cell_name(config, target)} ...", flush=True)
+    print(f"compiling {name} ...", flush=True)
     partial = json_path.with_suffix(".partial.json")
-    with open(log, "w") as out:
-        subprocess.run(command(config, target, columns, partial), stdout=out, stderr=out)
-    if partial.exists():   # written by launch.memory, whether its own column fits or not
+    with open(workdir / f"{name}.log", "w") as out:
+        subprocess.run(command(config, target, column, partial), stdout=out, stderr=out)
+    if partial.exists():   # written by launch.memory, whether its column fits or not
         partial.rename(json_path)
 
 
@@ -90,15 +92,14 @@ def table(configs: list[str], targets: list[str], columns: list[str], workdir: p
     largest: dict[str, str] = {}
     for config in configs:
         for target in targets:
-            path = workdir / f"{cell_name(config, target)}.json"
-            if not path.exists():
-                lines.append(f"| {pathlib.Path(config).stem} | {target} | "
-                             + " | ".join("not run" for _ in columns) + " |")
-                continue
-            plan = json.loads(path.read_text())
-            texts = [cell_text(plan, c, plan["param_dtype"]) for c in columns]
+            texts = []
+            for column in columns:
+                path = workdir / f"{cell_name(config, target, column)}.json"
+                plan = json.loads(path.read_text()) if path.exists() else None
+                texts.append(cell_text(plan, column, plan["param_dtype"]) if plan else "not run")
             lines.append(f"| {pathlib.Path(config).stem} | {target} | " + " | ".join(texts) + " |")
-            if not (texts[0].startswith("refused") or texts[0].endswith("✗") or texts[0] == "–"):
+            if not (texts[0].startswith(("refused", "not run")) or texts[0].endswith("✗")
+                    or texts[0] == "–"):
                 largest[target] = pathlib.Path(config).stem   # configs run smallest model first
     lines.append("")
     lines.append(f"GiB per chip: RL footprint (update peak); ✗ over the chip's HBM. Largest model "
@@ -115,8 +116,8 @@ def define_flags():
     flags.DEFINE_list("targets", ["v5p-8", "v5p-16", "v6e-8", "tpu7x-8"],
                       "TPU slices (perf/tpu.py's Cloud names).")
     flags.DEFINE_list("columns", ["logra:bf16", "logra:fp32", "lora", "adamw", "galore"],
-                      "Columns: the first is the config's optimizer with those weights, the rest "
-                      "are --compare columns.")
+                      "Columns: an optimizer, LoGRA's and LoRA's optionally with :bf16 or :fp32 "
+                      "weights (default: the config's); the first decides 'largest model that fits'.")
     flags.DEFINE_string("workdir", None, "Where each cell's JSON and log are kept.")
     flags.DEFINE_string("out", None, "Also write the markdown table here.")
     flags.DEFINE_bool("report_only", False, "Run nothing: tabulate the cells done.")
@@ -131,7 +132,8 @@ def main(argv):
     if not f.report_only:
         for config in f.configs:
             for target in f.targets:
-                run_cell(config, target, f.columns, workdir)
+                for column in f.columns:
+                    run_column(config, target, column, workdir)
     text = table(f.configs, f.targets, f.columns, workdir)
     print(text)
     if f.out:

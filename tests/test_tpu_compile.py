@@ -173,12 +173,14 @@ def test_the_xla_cpu_layout_barriers_stay_out_of_tpu_programs(monkeypatch):
 
 
 def test_the_unattended_table_reads_each_cells_plan(tiny_on_tpu, tmp_path):
-    """launch.memory_table: one launch.memory run per (config, slice), tabulated from its JSON —
-    a fitting column's footprint and peak, a refused one's need, cells not yet run, and the
-    largest model whose first column fits each slice."""
+    """launch.memory_table: one launch.memory run per (config, slice, column), tabulated from its
+    JSON — a fitting column's footprint and peak, a refused one's need, columns not yet run, and
+    the largest model whose first column fits each slice."""
     from launch import memory_table
-    _, plan = tiny_on_tpu
-    (tmp_path / "tiny@v5e-8.json").write_text(json.dumps(plan))
+    _, plan = tiny_on_tpu   # both columns' figures: each column's file is read for its own
+    for column in ("logra:bf16", "adamw"):
+        name = memory_table.cell_name("configs/tiny.py", TARGET, column)
+        (tmp_path / f"{name}.json").write_text(json.dumps(plan))
     text = memory_table.table(["configs/tiny.py", "configs/gemma3_27b.py"], [TARGET],
                               ["logra:bf16", "adamw"], tmp_path)
     footprint = plan["footprint"]["logra"]["total"] / 2 ** 30
@@ -187,7 +189,9 @@ def test_the_unattended_table_reads_each_cells_plan(tiny_on_tpu, tmp_path):
     assert f"| refused: needs {needed:.1f} |" in text
     assert f"| gemma3_27b | {TARGET} | not run | not run |" in text
     assert text.endswith(f"fits: {TARGET}: tiny.")
-    args = memory_table.command("configs/gemma3_27b.py", "v6e-8", ["logra:bf16", "adamw"],
-                                tmp_path / "cell.json")
-    assert args[args.index("--rollout_devices") + 1] == "0" and "--compare" in args
+    args = memory_table.command("configs/gemma3_27b.py", "v6e-8", "logra:bf16", tmp_path / "c.json")
+    assert args[args.index("--rollout_devices") + 1] == "0" and "--compare" not in args
     assert "--config.rl.micro_batch_size=8" in args and "--config.model.param_dtype=bfloat16" in args
+    lora = memory_table.command("configs/gemma3_27b.py", "v6e-8", "lora", tmp_path / "c.json")
+    assert lora[lora.index("--optimizer") + 1] == "lora"
+    assert not any(a.startswith("--config.model.param_dtype") for a in lora)
