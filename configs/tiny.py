@@ -8,6 +8,10 @@ model answers nothing right, so every GRPO group would be all zeros, every advan
 The optimizer is still LoGRA's GRPO variant (RowAdam + AdamW on the rest); set
 ``rl.algorithm=grpo`` for the GRPO loss path.
 
+``data.size``: 256 task prompts, not the base's 10,000. A smoke run reads a dozen, and every prompt
+is rendered and tokenized before anything compiles (the prompt-window check): 2 s of each process
+at 10,000.
+
 ``data.skip_long_prompts``: with ``--config.data.source=gsm8k`` the 64-token prompt window takes the
 GSM8K questions that fit (about 7 % of train) instead of stopping.
 """
@@ -20,6 +24,7 @@ def get_config():
     c.max_steps = 3
     c.model.source = "tiny"
     c.data.prompts_per_step = 4
+    c.data.size = 256
     c.data.skip_long_prompts = True
     c.rl.algorithm = "reinforce"
     c.rl.num_generations = 2
