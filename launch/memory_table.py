@@ -24,9 +24,11 @@ column) fits one host.
 """
 
 import json
+import os
 import pathlib
 import subprocess
 import sys
+import time
 
 from absl import app, flags
 
@@ -57,10 +59,15 @@ def run_column(config: str, target: str, column: str, workdir: pathlib.Path) -> 
     json_path = workdir / f"{name}.json"
     if json_path.exists():
         return
-    print(f"compiling {name} ...", flush=True)
+    print(f"compiling {name} ...", end=" ", flush=True)
     partial = json_path.with_suffix(".partial.json")
+    tic = time.monotonic()
     with open(workdir / f"{name}.log", "w") as out:
-        subprocess.run(command(config, target, column, partial), stdout=out, stderr=out)
+        proc = subprocess.Popen(command(config, target, column, partial), stdout=out, stderr=out)
+        _, status, usage = os.wait4(proc.pid, 0)
+    # ru_maxrss is in KiB on Linux: the host memory one column needs, for sizing the machine.
+    print(f"exit {os.waitstatus_to_exitcode(status)}, {time.monotonic() - tic:.0f} s, "
+          f"{usage.ru_maxrss / 2**20:.1f} GiB of host memory at most", flush=True)
     if partial.exists():   # written by launch.memory, whether its column fits or not
         partial.rename(json_path)
 
