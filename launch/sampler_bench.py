@@ -201,6 +201,10 @@ def main(argv):
     if max(meshes) > jax.device_count():
         sys.exit(f"error: --meshes {max(meshes)} needs that many devices, this process has "
                  f"{jax.device_count()} (LOGRA_HOST_DEVICES)")
+    modes = list(dict.fromkeys(_DECODE.value))
+    bad = [m for m in modes if m not in Sampler.DECODE_WEIGHTS]
+    if bad:   # before the seconds of measuring the machine's rates
+        sys.exit(f"error: --decode_weights {bad}: choose from {Sampler.DECODE_WEIGHTS}")
     config = _CONFIG.value
     config.model.update(dtype=_DTYPE.value, param_dtype=_DTYPE.value)
     flops, bandwidth = machine_rates(_DTYPE.value)
@@ -208,10 +212,6 @@ def main(argv):
           f"{_DTYPE.value} matmul {flops / 1e9:.1f} GFLOP/s, copy {bandwidth / 2**30:.1f} GiB/s")
     print(f"model {config.model.source} ({config.model.dtype}); prompt {_PROMPT.value} + "
           f"{_COMPLETION.value} sampled tokens per row; median of {_REPEATS.value} calls")
-    modes = list(dict.fromkeys(_DECODE.value))
-    bad = [m for m in modes if m not in Sampler.DECODE_WEIGHTS]
-    if bad:
-        sys.exit(f"error: --decode_weights {bad}: choose from {Sampler.DECODE_WEIGHTS}")
     print(f"{'devices':>7} {'batch':>5} {'decode':>9} {'seconds':>8} {'tokens/s':>9} "
           f"{'roofline s':>10} {'achieved/roofline':>17} {'dots ms':>8} {'best':>5}"
           + (f" {'time/first':>10}" if len(modes) > 1 else ""))

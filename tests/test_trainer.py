@@ -70,7 +70,9 @@ def _synthetic_batch(trainer, seed=0):
     data = build.build_data(config.data, config.seed)
     ro = collect_rollouts(trainer.sampler, trainer.init_state()[0], trainer.tokenizer, data.next(),
                           trainer.rollout_spec, jax.random.PRNGKey(seed), trainer.batch_sharding)
-    adv = jax.random.normal(jax.random.PRNGKey(seed + 1), ro.completed.shape)
+    # Placed as the loop places them: another sharding would compile the update a second time.
+    adv = jax.device_put(jax.random.normal(jax.random.PRNGKey(seed + 1), ro.completed.shape),
+                         ro.completed.sharding)
     return TrainBatch(seqs=ro.seqs, advantages=adv, rollout_logp=ro.rollout_logp,
                       ref_logp=jnp.zeros_like(ro.rollout_logp), completed=ro.completed)
 
