@@ -97,6 +97,7 @@ def table(configs: list[str], targets: list[str], columns: list[str], workdir: p
     lines = ["| model | slice | " + " | ".join(columns) + " |",
              "|---|---|" + "---|" * len(columns)]
     largest: dict[str, str] = {}
+    tried = {t: 0 for t in targets}   # models whose first column has run, per slice
     for config in configs:
         for target in targets:
             texts = []
@@ -105,13 +106,16 @@ def table(configs: list[str], targets: list[str], columns: list[str], workdir: p
                 plan = json.loads(path.read_text()) if path.exists() else None
                 texts.append(cell_text(plan, column, plan["param_dtype"]) if plan else "not run")
             lines.append(f"| {pathlib.Path(config).stem} | {target} | " + " | ".join(texts) + " |")
+            tried[target] += texts[0] != "not run"
             if not (texts[0].startswith(("refused", "not run")) or texts[0].endswith("✗")
                     or texts[0] == "–"):
                 largest[target] = pathlib.Path(config).stem   # configs run smallest model first
     lines.append("")
     lines.append(f"GiB per chip: RL footprint (update peak); ✗ over the chip's HBM. Largest model "
                  f"whose {columns[0]} RL fits: "
-                 + "; ".join(f"{t}: {largest.get(t, 'none')}" for t in targets) + ".")
+                 + "; ".join(f"{t}: {largest.get(t, 'none')}" + (
+                     "" if tried[t] == len(configs) else f" ({tried[t]} of {len(configs)} models run)")
+                     for t in targets) + ".")
     return "\n".join(lines)
 
 

@@ -188,7 +188,7 @@ def test_the_unattended_table_reads_each_cells_plan(tiny_on_tpu, tmp_path):
     assert f"| tiny | {TARGET} | {footprint:.2f} (" in text
     assert f"| refused: needs {needed:.1f} |" in text
     assert f"| gemma3_27b | {TARGET} | not run | not run |" in text
-    assert text.endswith(f"fits: {TARGET}: tiny.")
+    assert text.endswith(f"fits: {TARGET}: tiny (1 of 2 models run).")
     args = memory_table.command("configs/gemma3_27b.py", "v6e-8", "logra:bf16", tmp_path / "c.json")
     assert args[args.index("--rollout_devices") + 1] == "0" and "--compare" not in args
     assert "--config.rl.micro_batch_size=8" in args and "--config.model.param_dtype=bfloat16" in args
