@@ -10,32 +10,23 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8"
                            " --xla_backend_optimization_level=0").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# One persistent compilation cache per test session, shared by both pytest-xdist workers and
-# inherited by the launch.* subprocesses: the many real-process tests (signals, bad input, resumes,
-# two-process runs) compile the same train step again and again, and a cached program loads in a
-# fraction of the compile; what one worker compiled (the shipped tiny trainer, a subprocess's
-# programs) the other loads. Every program is kept, not only those over JAX's default second of
-# compile: a warm 1-step tiny launch.train compiles ~90 small programs of ~40 ms each (measured:
-# 31.7 s cold, 16.9 s warm with the default, 13.9 s warm keeping all). A size limit turns on JAX's
-# file lock around every read and write of the cache (jax/_src/lru_cache.py), which is what lets
-# several processes share it: without one an entry is written in place and a reader could see
-# half of it. The controller process sets these before it starts the workers, which inherit them.
-# Each worker gets its own tfds data folder (tfds prepares a dataset in place; before
-# tensorflow_datasets is imported).
-import atexit  # noqa: E402
-import shutil  # noqa: E402
+# One persistent compilation cache per test session, inherited by the launch.* subprocesses: the
+# many real-process tests (signals, bad input, resumes, two-process runs) compile the same train
+# step again and again, and a cached program loads in a fraction of the compile. Every program is
+# kept, not only those over JAX's default second of compile: a warm 1-step tiny launch.train
+# compiles ~90 small programs of ~40 ms each (measured: 31.7 s cold, 16.9 s warm with the default,
+# 13.9 s warm keeping all).
+# Each pytest-xdist worker gets its own (two processes never write one cache at once), as it gets
+# its own tfds data folder (tfds prepares a dataset in place; before tensorflow_datasets is imported).
 import tempfile  # noqa: E402
 
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-    os.environ["LOGRA_TEST_CACHE"] = "1"
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="logra_xla_")
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "main")
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ or os.environ.get("LOGRA_TEST_OWN_CACHES"):
+    os.environ["LOGRA_TEST_OWN_CACHES"] = "1"
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix=f"logra_xla_{_WORKER}_")
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-    os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(32 * 2**30)
-    # Removed when the process that made it ends (the controller, after its workers).
-    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
-_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
-if _WORKER and os.environ.get("LOGRA_TEST_CACHE") and "TFDS_DATA_DIR" not in os.environ:
-    os.environ["TFDS_DATA_DIR"] = tempfile.mkdtemp(prefix=f"logra_tfds_{_WORKER}_")
+    if _WORKER != "main":
+        os.environ["TFDS_DATA_DIR"] = tempfile.mkdtemp(prefix=f"logra_tfds_{_WORKER}_")
 
 import pathlib  # noqa: E402
 
