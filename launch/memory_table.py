@@ -2,7 +2,7 @@
 
     python -m launch.memory_table --workdir /tmp/tpu_table \
         [--configs configs/qwen2_5_7b_gsm8k.py,configs/gemma3_27b.py,configs/llama3_70b.py] \
-        [--targets v5p-8,v5p-16,v6e-8,tpu7x-8] [--columns logra:bf16,logra:fp32,lora,adamw,galore] \
+        [--targets v5p-8,v5p-16,v6e-8,tpu7x-8] [--columns logra:bf16,logra:fp32,lora:bf16,adamw,galore] \
         [--out table.md] [--report_only]
 
 Each column of each (config, target) cell is one ``python -m launch.memory --target T`` run of
@@ -126,7 +126,7 @@ def define_flags():
                                    "configs/llama3_70b.py"], "Config files, one row each.")
     flags.DEFINE_list("targets", ["v5p-8", "v5p-16", "v6e-8", "tpu7x-8"],
                       "TPU slices (perf/tpu.py's Cloud names).")
-    flags.DEFINE_list("columns", ["logra:bf16", "logra:fp32", "lora", "adamw", "galore"],
+    flags.DEFINE_list("columns", ["logra:bf16", "logra:fp32", "lora:bf16", "adamw", "galore"],
                       "Columns: an optimizer, LoGRA's and LoRA's optionally with :bf16 or :fp32 "
                       "weights (default: the config's); the first decides 'largest model that fits'.")
     flags.DEFINE_string("workdir", None, "Where each cell's JSON and log are kept.")
