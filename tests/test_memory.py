@@ -8,7 +8,6 @@ planning configs must match the published model sizes.
 
 import json
 import math
-import os
 import re
 import subprocess
 import sys
@@ -26,6 +25,7 @@ from logra_jax.perf import memory
 from logra_jax.tree_paths import leaves_with_paths
 from logra_jax.rl.build import build_mesh, build_optimizer
 from logra_jax.sharding import opt_state_shardings, sketch_shardings
+from process_env import without_device_count
 
 REPO = Path(__file__).resolve().parents[1]
 MESH = {"fsdp": 4, "tensor": 2}
@@ -45,8 +45,7 @@ def shard_bytes(shape, dtype, spec, mesh_sizes) -> int:
 def report(tmp_path_factory):
     """The CLI on configs/tiny.py, LoGRA vs AdamW: (stdout, the --json numbers)."""
     out = tmp_path_factory.mktemp("memory") / "tiny.json"
-    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)  # the CLI sets its own device count
+    env = without_device_count(PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
     proc = subprocess.run(
         [sys.executable, "-m", "launch.memory", "--config", "configs/tiny.py", "--mesh",
          "fsdp=4,tensor=2", "--hosts", "2", "--compare", "adamw", "--micro_steps", "2", "--explain", "8",
@@ -207,8 +206,7 @@ def test_bad_input_is_one_clear_error(shapes):
 
 
 def test_cli_rejects_a_malformed_mesh():
-    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
+    env = without_device_count(PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-m", "launch.memory", "--config", "configs/tiny.py",
                            "--mesh", "fsdp=four"], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=300)
@@ -220,8 +218,7 @@ def test_a_mesh_over_several_hosts_is_planned_per_device_and_hosts_must_split_it
     stdout, numbers = report
     assert "training mesh {'fsdp': 4, 'tensor': 2} = 2 hosts × 4 devices" in stdout
     assert numbers["hosts"] == 2
-    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
+    env = without_device_count(PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-m", "launch.memory", "--config", "configs/tiny.py",
                            "--mesh", "fsdp=8,tensor=1", "--hosts", "3"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300)

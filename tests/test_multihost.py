@@ -5,7 +5,6 @@ The two-process runs are real `launch.train` processes started by `launch/local_
 CPU collectives through gloo; the single-process reference runs in this pytest process.
 """
 
-import os
 import pathlib
 import signal
 import subprocess
@@ -19,18 +18,15 @@ import pytest
 from logra_jax import checkpoint as checkpoint_lib
 from logra_jax import distributed, host_arrays
 from logra_jax import metrics as metrics_lib
+from process_env import without_device_count
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = ["--config", "configs/tiny.py"]
 
 
 def _env(**extra) -> dict:
-    """This process's environment without its 8-device XLA flag (each process gets
-    LOGRA_HOST_DEVICES=4 from the launcher instead)."""
-    env = dict(os.environ, **extra)
-    env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
-                                if "xla_force_host_platform_device_count" not in f)
-    return env
+    """Each process gets LOGRA_HOST_DEVICES=4 from the launcher, not the suite's 8 devices."""
+    return without_device_count(**extra)
 
 
 def _cluster_command(workdir, *args) -> list[str]:

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import pytest
 
 from logra_jax.perf import profiling
+from process_env import without_device_count
 
 
 def _op(name, ts, dur):
@@ -110,7 +111,7 @@ def test_step_time_profile_prints_both_optimizers_split():
     import os
     import subprocess
     import sys
-    env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
+    env = without_device_count(JAX_PLATFORMS="cpu")
     out = subprocess.run(
         [sys.executable, "-m", "launch.step_time", "--profile", "--widths", "128", "--rank", "16",
          "--layers", "1", "--rows", "2", "--prompt_length", "8", "--completion_length", "8"],
@@ -154,7 +155,7 @@ def test_step_time_count_ops_without_a_config_says_what_it_needs():
     import os
     import subprocess
     import sys
-    env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
+    env = without_device_count(JAX_PLATFORMS="cpu")
     out = subprocess.run([sys.executable, "-m", "launch.step_time", "--count_ops"],
                          capture_output=True, text=True, env=env, timeout=300,
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
