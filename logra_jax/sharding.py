@@ -197,6 +197,15 @@ def shard_batch(x: jax.Array) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, PartitionSpec(BATCH_AXIS))
 
 
+def mesh_of(tree) -> Mesh | None:
+    """The one mesh every NamedSharding in ``tree`` (arrays or ShapeDtypeStructs) lies on; None when
+    there are none or several. What a jitted program traces under (``jax.sharding.use_abstract_mesh``)
+    so that :func:`shard_batch` splits its activations."""
+    meshes = {x.sharding.mesh for x in jax.tree.leaves(tree)
+              if isinstance(getattr(x, "sharding", None), NamedSharding)}
+    return meshes.pop() if len(meshes) == 1 else None
+
+
 def batch_sharding(mesh: Mesh, rows: int) -> NamedSharding:
     """Rows over the ``fsdp`` axis when they divide evenly, else replicated."""
     divides = BATCH_AXIS in mesh.shape and rows % mesh.shape[BATCH_AXIS] == 0

@@ -32,12 +32,15 @@ def run(model):
     """Jitted forward with the parameters as arguments (not baked-in constants)."""
     graphdef, state = nnx.split(model)
 
-    @jax.jit
-    def forward(state, tokens, positions=None, segment_mask=None, probes=None, cache=None):
+    @functools.partial(jax.jit, static_argnames="prefill")
+    def forward(state, tokens, positions=None, segment_mask=None, probes=None, cache=None,
+                prefill=False):
         return nnx.merge(graphdef, state)(tokens, positions=positions, segment_mask=segment_mask,
-                                          probes=probes, cache=cache)
+                                          probes=probes, cache=cache, prefill=prefill)
 
-    return lambda tokens, **kw: forward(state, tokens, **kw)
+    run = lambda tokens, **kw: forward(state, tokens, **kw)
+    run.lower = lambda tokens, **kw: forward.lower(state, tokens, **kw)
+    return run
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +101,24 @@ def test_cache_prefill_then_decode_equals_full_forward(model, run, tokens):
         pieces.append(step)
     assert int(cache.index) == 9 and cache.mask[:, :9].all() and not cache.mask[:, 9:].any()
     np.testing.assert_allclose(jnp.concatenate(pieces, axis=1), full, atol=1e-5)
+
+
+def test_prefill_attends_to_its_own_keys_and_fills_the_cache_alike(model, run, tokens):
+    """prefill=True (the sampler's prompt into an empty cache): the same logits and cache as
+    attending to all S slots, and the decode after it reads the cache alike, with the scores
+    t × t instead of t × S (a 512-token prompt under 2048 slots held 4× the scores before)."""
+    outs = [run(tokens[:, :5], cache=model.init_cache(2, 64), prefill=p) for p in (False, True)]
+    (slots, slots_cache), (own, own_cache) = outs
+    np.testing.assert_allclose(own, slots, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(own_cache), jax.tree.leaves(slots_cache)):   # k, v: rounding
+        np.testing.assert_allclose(a, b, atol=1e-5)                         # of the layers before
+    step, _ = run(tokens[:, 5:6], cache=own_cache)
+    np.testing.assert_allclose(step, run(tokens[:, :6])[:, 5:], atol=1e-5)
+    temporaries = [run.lower(tokens[:, :5], cache=model.init_cache(2, 64), prefill=p).compile()
+                   .memory_analysis().temp_size_in_bytes for p in (False, True)]
+    assert temporaries[1] < temporaries[0], temporaries
+    with pytest.raises(ValueError, match="prefill=True needs an empty cache, got index 5"):
+        model(tokens[:, :2], cache=own_cache, prefill=True)
 
 
 @pytest.mark.parametrize("tied", [False, True])

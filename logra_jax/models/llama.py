@@ -160,8 +160,13 @@ class Attention(nnx.Module):
         self.k_norm = _norm(c.head_dim, c) if c.qk_norm else None
         self.scale = (None if c.query_pre_attn_scalar is None else c.query_pre_attn_scalar ** -0.5)
 
-    def __call__(self, x, cos, sin, mask, probes: dict[str, SketchProbe], kv, write_index):
-        """Returns (output, (k, v) of the whole cache after writing this chunk, or None)."""
+    def __call__(self, x, cos, sin, mask, probes: dict[str, SketchProbe], kv, write_index,
+                 chunk_keys: bool = False):
+        """Returns (output, (k, v) of the whole cache after writing this chunk, or None).
+
+        ``chunk_keys``: the queries attend to this chunk's own keys (``mask`` [b, t, t]) though
+        the chunk is written to the cache: a prefill into an empty cache, where every other slot
+        is masked out anyway, scores t × t instead of t × S."""
         b, t, _ = x.shape
         q = self.q_proj(x, probes.get("q_proj")).reshape(b, t, self.num_heads, self.head_dim)
         k = self.k_proj(x, probes.get("k_proj")).reshape(b, t, self.num_kv_heads, self.head_dim)
@@ -176,9 +181,11 @@ class Attention(nnx.Module):
         new_kv = None
         if kv is not None:
             cache_k, cache_v = kv
-            k = jax.lax.dynamic_update_slice(cache_k, k.astype(cache_k.dtype), (0, 0, 0, write_index))
-            v = jax.lax.dynamic_update_slice(cache_v, v.astype(cache_v.dtype), (0, 0, write_index, 0))
-            new_kv = (k, v)
+            k, v = k.astype(cache_k.dtype), v.astype(cache_v.dtype)
+            new_kv = (jax.lax.dynamic_update_slice(cache_k, k, (0, 0, 0, write_index)),
+                      jax.lax.dynamic_update_slice(cache_v, v, (0, 0, write_index, 0)))
+            if not chunk_keys:
+                k, v = new_kv
         out = grouped_query_attention(q, k, v, mask, self.scale)
         return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim), probes.get("o_proj")), new_kv
 
@@ -223,11 +230,12 @@ class Block(nnx.Module):
             self.pre_feedforward_layernorm = _norm(c.hidden_size, c)
             self.post_feedforward_layernorm = _norm(c.hidden_size, c)
 
-    def __call__(self, x, cos, sin, mask, probes: dict[str, SketchProbe], kv, write_index):
+    def __call__(self, x, cos, sin, mask, probes: dict[str, SketchProbe], kv, write_index,
+                 chunk_keys: bool = False):
         attn_probes = {k.split("/")[1]: p for k, p in probes.items() if k.startswith("self_attn/")}
         mlp_probes = {k.split("/")[1]: p for k, p in probes.items() if k.startswith("mlp/")}
         attn_out, new_kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, attn_probes, kv,
-                                          write_index)
+                                          write_index, chunk_keys)
         if not self.sandwich:
             h = x + attn_out
             return h + self.mlp(self.post_attention_layernorm(h), mlp_probes), new_kv
@@ -341,13 +349,18 @@ class Decoder(nnx.Module):
 
     def __call__(self, tokens: jax.Array, *, positions: jax.Array | None = None,
                  segment_mask: jax.Array | None = None, probes: dict[str, SketchProbe] | None = None,
-                 cache: KVCache | None = None, return_hidden: bool = False, layers=None):
+                 cache: KVCache | None = None, return_hidden: bool = False, layers=None,
+                 prefill: bool = False):
         """Logits [b, t, V] fp32 (or the final-normed hidden [b, t, d]); with a cache, (out, new cache).
 
         tokens: int32 [b, t]. positions: int32 [b, t] RoPE positions (default: cache index + arange).
         segment_mask: bool [b, t], True = real token; False keys are never attended to (left or right
         padding). probes: {kernel path: SketchProbe with a leading layer dim}; paths absent get none.
         cache: see KVCache — this chunk is written at slots [index, index + t).
+        prefill: the cache is empty (index 0): the chunk still fills slots [0, t), but its queries
+        attend to its own t keys, not all S slots (every other slot is masked out, so the values are
+        those of attending to the cache, up to the order of summing): the scores are b × H × t × t.
+        A sampler's prompt of 512 tokens under a 2048-slot cache held 4× the scores without it.
         """
         c = self.config
         layer_probes = self._per_layer_probes(probes)
@@ -379,10 +392,13 @@ class Decoder(nnx.Module):
             if not isinstance(cache.index, jax.core.Tracer) and int(cache.index) + t > cache.max_len:
                 raise ValueError(f"cache overflow: index {int(cache.index)} + {t} tokens > "
                                  f"{cache.max_len} slots")
+            if prefill and not isinstance(cache.index, jax.core.Tracer) and int(cache.index):
+                raise ValueError(f"prefill=True needs an empty cache, got index {int(cache.index)}")
             new_mask = jax.lax.dynamic_update_slice(cache.mask, segment_mask, (0, cache.index))
             query_slot = cache.index + jnp.arange(t)
-            key_slot = jnp.arange(cache.max_len)
-            mask = (key_slot[None, :] <= query_slot[:, None])[None] & new_mask[:, None, :]
+            key_slot = jnp.arange(t if prefill else cache.max_len)
+            key_mask = segment_mask if prefill else new_mask
+            mask = (key_slot[None, :] <= query_slot[:, None])[None] & key_mask[:, None, :]
             kv_stack = (cache.k, cache.v)
             if (layers is not None) != cache.per_layer:
                 raise ValueError("per-layer weights (layers=) go with a per-layer cache "
@@ -407,7 +423,8 @@ class Decoder(nnx.Module):
             if any(c.sliding_layers):
                 cos_l, sin_l = (jnp.where(sliding_l, a, b) for a, b in zip(local_rope, (cos, sin)))
                 mask_l = mask & (window[None] | ~sliding_l)
-            return block(shard_batch(h), cos_l, sin_l, mask_l, probes_l, kv_l, offset)
+            return block(shard_batch(h), cos_l, sin_l, mask_l, probes_l, kv_l, offset,
+                         prefill and cache is not None)
 
         if layers is not None:
             # Decoding with per-layer weights (unstacked_layers): the layers run one after the

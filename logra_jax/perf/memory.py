@@ -343,7 +343,8 @@ def rollout_step_memory(config: ml_collections.ConfigDict, mesh: Mesh, *,
     key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=replicated)
     temperature = jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated)
     lowered = sampler._generate.lower(params, tokens, mask, key, temperature, top_k=int(rl.top_k),
-                                      top_p=float(rl.top_p), greedy=False)
+                                      top_p=float(rl.top_p), greedy=False,
+                                      mesh=sampler.mesh_of(params, tokens))
     try:
         stats = tpu.compile_or_refuse(lowered, program=f"the sampler's generate ({rows} rows)"
                                       ).memory_analysis()

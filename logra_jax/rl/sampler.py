@@ -7,6 +7,12 @@ compiled program.
 Prompts are left-aligned internally: every row's last prompt token sits in the last prompt slot,
 so one decode position serves the whole batch. RoPE positions count real tokens only
 (position = number of real tokens before it), so left padding does not shift a row's positions.
+
+Rows are split over the params' ``fsdp`` axis as in training: `generate` traces under the params'
+mesh, so the model's `sharding.shard_batch` constraints hold. Without them the TPU compiler kept
+the prefill's activations whole on every chip (weights stay split along ``embed``, so it may sum
+partial products instead of gathering weights): at Qwen2.5-7B's shape, two MLP intermediates of
+all 128 rows × 512 prompt tokens × 18944, 2.3 GiB each per chip on any number of chips.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import numpy as np
 
 from logra_jax.projections import check_counter_range, hash_positions
 from logra_jax.rl.policy import Policy
+from logra_jax.sharding import mesh_of
 
 NEG_INF = -1e30
 
@@ -193,7 +200,8 @@ class Sampler:
         self.eos_ids = tuple(int(e) for e in eos_ids)
         self.pad_id = int(pad_id)
         self.rows_per_pass = int(rows_per_pass)
-        self._generate = jax.jit(self._generate_impl, static_argnames=("top_k", "top_p", "greedy"))
+        self._generate = jax.jit(self._generate_impl,
+                                 static_argnames=("top_k", "top_p", "greedy", "mesh"))
 
     def generate(self, params, prompt_tokens, prompt_mask, rng, *, temperature: float = 1.0,
                  top_p: float = 1.0, top_k: int = 0, greedy: bool = False) -> SampleOutput:
@@ -210,7 +218,14 @@ class Sampler:
                              f"of rows_per_pass={self.rows_per_pass}; make it a divisor")
         return self._generate(params, jnp.asarray(prompt_tokens), jnp.asarray(prompt_mask), rng,
                               jnp.float32(temperature), top_k=int(top_k), top_p=float(top_p),
-                              greedy=bool(greedy))
+                              greedy=bool(greedy), mesh=self.mesh_of(params, prompt_tokens))
+
+    @staticmethod
+    def mesh_of(params, prompt_tokens):
+        """The abstract mesh `generate` traces under: the one the params and prompts lie on (None
+        when they are on one device)."""
+        mesh = mesh_of((params, prompt_tokens))
+        return None if mesh is None else mesh.abstract_mesh
 
     def generate_text(self, params, tokenizer, prompts: Sequence[str], rng, **kwargs) -> list[str]:
         """Convenience: strings in, decoded completions out (EOS and padding dropped)."""
@@ -220,7 +235,18 @@ class Sampler:
         return decode_completions(tokenizer, np.asarray(out.tokens), np.asarray(out.mask), self.eos_ids)
 
     def _generate_impl(self, params, prompt_tokens, prompt_mask, rng, temperature, *,
-                       top_k: int, top_p: float, greedy: bool) -> SampleOutput:
+                       top_k: int, top_p: float, greedy: bool, mesh=None) -> SampleOutput:
+        """The whole batch, traced with the params' ``mesh`` in context (``shard_batch``)."""
+        if mesh is None:
+            return self._generate_batch(params, prompt_tokens, prompt_mask, rng, temperature,
+                                        top_k=top_k, top_p=top_p, greedy=greedy)
+        with jax.sharding.use_abstract_mesh(mesh):
+            return self._generate_batch(params, prompt_tokens, prompt_mask, rng, temperature,
+                                        top_k=top_k, top_p=top_p, greedy=greedy)
+
+    def _generate_batch(self, params, prompt_tokens, prompt_mask, rng, temperature, *,
+                        top_k: int, top_p: float, greedy: bool) -> SampleOutput:
+        """Every row, in one pass or ``rows_per_pass`` at a time."""
         batch = prompt_tokens.shape[0]
         check_counter_range((batch, self.policy.bind(params).config.vocab_size))
         rows = jnp.arange(batch, dtype=jnp.int32)
@@ -257,7 +283,7 @@ class Sampler:
         # hidden state (full-vocabulary logits of every prompt position would be b × t × V).
         # Logits are [V, b], vocabulary first, here and in every decode step (vocab_major_logits).
         hidden, cache = model(prompt_tokens, positions=positions, segment_mask=prompt_mask,
-                              cache=cache, return_hidden=True, probes=probes)
+                              cache=cache, return_hidden=True, probes=probes, prefill=True)
         last_logits = model.vocab_major_logits(hidden[:, -1])
         layers = None
         if self.per_layer_decode:   # once per call: every decode step reads these arrays in place

@@ -22,7 +22,7 @@ from logra_jax.optim import (LowRankUpdate, SketchSpec, apply_updates_counting_c
                              exact_kl_from_hidden, make_candidate_kl, make_predict_kl, make_probes, merge_targets,
                              probe_factors, split_targets, update_index, with_factors,
                              with_update_factors)
-from logra_jax.sharding import sketch_shardings
+from logra_jax.sharding import mesh_of, sketch_shardings
 from logra_jax.tree_paths import leaves_with_paths
 from logra_jax.rl import losses
 from logra_jax.rl.policy import Policy, Sequences
@@ -158,8 +158,7 @@ class PolicyUpdate:
             # Inside the jit params are tracers without shardings: fix the sketches' layout now.
             self._sketch_shardings = sketch_shardings(params, self.sketch) if self.sketch else {}
             extra = (None,) if self.return_updates else ()
-            meshes = {x.mesh for x in jax.tree.leaves(keep[0]) if isinstance(x, NamedSharding)}
-            self._mesh = meshes.pop() if len(meshes) == 1 else None
+            self._mesh = mesh_of(params)
             self._step = jax.jit(self._step_impl, donate_argnums=(0, 1),
                                  out_shardings=(keep[0], keep[1], None) + extra,
                                  compiler_options=update_compiler_options(params))
