@@ -36,7 +36,7 @@ from logra_jax.models.kv_cache import KVCache
 from logra_jax.models.linear import Linear, weights_major, weights_major_product
 from logra_jax.models.rope import apply_rotary, inverse_frequencies, rotary_cos_sin
 from logra_jax.projections import SketchProbe
-from logra_jax.sharding import get_logical_axes, set_logical_axes, shard_batch
+from logra_jax.sharding import get_logical_axes, set_logical_axes, shard_batch, shard_features
 
 # The stacked linear layers a SketchProbe may target, by kernel path, and their in/out logical axes.
 LAYER_LINEARS: dict[str, tuple[str, str]] = {
@@ -288,6 +288,7 @@ class Decoder(nnx.Module):
         The sampler's draw then reduces over the vocabulary with the batch contiguous, which is
         also faster than over rows of a [b, V] array (docs/results/sampler.md).
         """
+        hidden = shard_features(hidden)   # the head's partial products summed, not the head gathered
         if self.lm_head is not None:
             return self.logits(hidden).T
         table = self.embed_tokens.embedding[...].astype(hidden.dtype)
