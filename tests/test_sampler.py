@@ -208,12 +208,14 @@ def test_passes_of_rows_draw_the_one_pass_tokens_in_less_memory(setup):
 
 
 def test_rows_stay_split_over_the_params_mesh():
-    """generate traces under the mesh its params and prompts lie on, so the model's shard_batch
-    keeps each device on its own rows. Traced without it, XLA kept the prefill's activations
-    whole on every device (the weights split along ``embed``, it summed partial products instead
-    of gathering weights): over 3× the temporaries here; at Qwen2.5-7B's shape two MLP
-    intermediates of all rows, 2.3 GiB each per TPU chip on any number of chips."""
+    """On an accelerator generate traces under the mesh its params and prompts lie on, so the
+    model's shard_batch keeps each device on its own rows. Traced without it, XLA kept the
+    prefill's activations whole on every device (the weights split along ``embed``, it summed
+    partial products instead of gathering weights): over 3× the temporaries here; at Qwen2.5-7B's
+    shape two MLP intermediates of all rows, 2.3 GiB each per TPU chip on any number of chips.
+    On XLA:CPU's simulated devices XLA's own layout is kept (the faster one there)."""
     from jax.sharding import NamedSharding, PartitionSpec
+    from logra_jax.perf import tpu
     from logra_jax.sharding import make_mesh, shard_model
     mesh = make_mesh({"fsdp": 8})
     model = shard_model(Decoder(tiny(), rngs=nnx.Rngs(0)), mesh)
@@ -222,17 +224,22 @@ def test_rows_stay_split_over_the_params_mesh():
                                   NamedSharding(mesh, PartitionSpec("fsdp")))
     sampler = Sampler(policy, max_prompt_length=32, max_completion_length=STEPS, eos_ids=[95],
                       pad_id=PAD)
-    out = sampler.generate(params, tokens, mask, jax.random.PRNGKey(4))
-    traced_under = Sampler.mesh_of(params, tokens)
-    assert traced_under == mesh.abstract_mesh
     args = (params, tokens, mask, jax.random.PRNGKey(4), jnp.float32(1.0))
-    size = sampler._generate._cache_size()
-    again = sampler._generate(*args, top_k=0, top_p=1.0, greedy=False, mesh=traced_under)
-    assert sampler._generate._cache_size() == size   # the program generate compiled
-    np.testing.assert_array_equal(again.tokens, out.tokens)
+    split = sampler._generate.lower(*args, top_k=0, top_p=1.0, greedy=False, mesh=mesh.abstract_mesh)
+    out = split.compile()(*args)   # draws the model's own tokens with their log-probs
+    seqs = Sequences.from_sample(out.prompt_tokens, out.prompt_mask, out.tokens, out.mask)
+    np.testing.assert_allclose(out.logprobs, policy.completion_logprobs(params, seqs)[0] * out.mask,
+                               atol=1e-5)
     split, whole = (sampler._generate.lower(*args, top_k=0, top_p=1.0, greedy=False, mesh=m)
-                    .compile().memory_analysis().temp_size_in_bytes for m in (traced_under, None))
+                    .compile().memory_analysis().temp_size_in_bytes
+                    for m in (mesh.abstract_mesh, None))
     assert 2 * split < whole, (split, whole)
+    # Which mesh generate traces under: the chips' for a TPU slice's devices, none on XLA:CPU.
+    assert Sampler.mesh_of(params, tokens) is None
+    chips = make_mesh({"fsdp": 8}, tpu.devices(tpu.target("v5e-8")))
+    on_chips = jax.ShapeDtypeStruct(tokens.shape, tokens.dtype,
+                                    sharding=NamedSharding(chips, PartitionSpec("fsdp")))
+    assert Sampler.mesh_of({}, on_chips) == chips.abstract_mesh
 
 
 def test_filters():
