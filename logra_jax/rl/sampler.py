@@ -9,10 +9,11 @@ so one decode position serves the whole batch. RoPE positions count real tokens 
 (position = number of real tokens before it), so left padding does not shift a row's positions.
 
 Rows are split over the params' ``fsdp`` axis as in training: on an accelerator `generate` traces
-under the params' mesh, so the model's `sharding.shard_batch` constraints hold. Without them the TPU compiler kept
-the prefill's activations whole on every chip (weights stay split along ``embed``, so it may sum
-partial products instead of gathering weights): at Qwen2.5-7B's shape, two MLP intermediates of
-all 128 rows × 512 prompt tokens × 18944, 2.3 GiB each per chip on any number of chips.
+under the params' mesh, so the model's `sharding.shard_batch` constraints hold. Without them the
+TPU compiler kept the prefill's activations whole on every chip (weights stay split along
+``embed``, so it may sum partial products instead of gathering weights): at Qwen2.5-7B's shape,
+two MLP intermediates of all 128 rows × 512 prompt tokens × 18944, 2.3 GiB each per chip on any
+number of chips.
 """
 
 from __future__ import annotations
