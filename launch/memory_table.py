@@ -2,8 +2,8 @@
 
     python -m launch.memory_table --workdir /tmp/tpu_table \
         [--configs configs/qwen2_5_7b_gsm8k.py,configs/gemma3_27b.py,configs/llama3_70b.py] \
-        [--targets v5p-8,v5p-16,v6e-8,tpu7x-8] [--columns logra:bf16,logra:fp32,lora:bf16,adamw,galore] \
-        [--out table.md] [--report_only]
+        [--targets v5p-8,v5p-16,v6e-8,tpu7x-8,cpu-4,cpu-8] \
+        [--columns logra:bf16,logra:fp32,lora:bf16,adamw,galore] [--out table.md] [--report_only]
 
 Each column of each (config, target) cell is one ``python -m launch.memory --target T`` run of
 that column's optimizer and weights (its update and its sampler's ``generate``), with the same
@@ -11,7 +11,10 @@ layout everywhere: the sampler colocated (``--rollout_devices 0``), FSDP over al
 devices, one sequence per device per micro-step. One program pair per process bounds the host
 memory a run holds (five updates and a sampler in one process took 16 GB at 7B and were
 OOM-killed beside the test suite; one column takes about 4 GB), at the price of compiling the
-sampler once per column. A 7B–70B column takes 2–15 minutes of a 2-core machine's CPU, so the
+sampler once per column. A target ``cpu-N`` is XLA:CPU's plan of the same column on N simulated
+devices (the figure the planner gave before the TPU compiler, beside the slices of as many devices:
+v5p-8 has 4, v5p-16, v6e-8 and tpu7x-8 have 8): its update is compiled, its rollout phase is the
+weights plus the KV cache from shapes, as ``--target cpu`` prints it, and no HBM judges it. A 7B–70B column takes 2–15 minutes of a 2-core machine's CPU, so the
 runs are resumable: each writes ``<workdir>/<config>@<target>@<column>.json`` and a column whose
 JSON exists is not run again (stop at any time; run the same command to go on). A column the
 compiler refuses keeps its figure ("refused: needs X"); each run's output is kept in a ``.log``
@@ -40,15 +43,28 @@ def cell_name(config: str, target: str, column: str) -> str:
     return f"{pathlib.Path(config).stem}@{target}@{column.replace(':', '-')}"
 
 
+def cpu_devices(target: str) -> int | None:
+    """N for an XLA:CPU target ``cpu-N`` (N simulated devices), None for a TPU slice."""
+    if not target.startswith("cpu-"):
+        return None
+    try:
+        return int(target.removeprefix("cpu-"))
+    except ValueError:
+        raise ValueError(f"--targets {target!r}: an XLA:CPU target is cpu-N, N devices") from None
+
+
 def command(config: str, target: str, column: str, json_path: pathlib.Path) -> list[str]:
     """The launch.memory run of one column: its optimizer with its weights (``logra:bf16``) or, for
     a dense baseline, the usual fp32 master weights; one sequence per device per micro-step on the
-    slice's devices."""
+    slice's devices (FSDP over all of them), or on ``cpu-N``'s N simulated ones."""
     from logra_jax.perf import tpu
     name, _, dtype = column.partition(":")
-    args = [sys.executable, "-m", "launch.memory", "--config", config, "--target", target,
+    n = cpu_devices(target)
+    where = (["--target", "cpu", "--mesh", f"fsdp={n},tensor=1"] if n is not None
+             else ["--target", target])
+    args = [sys.executable, "-m", "launch.memory", "--config", config, *where,
             "--rollout_devices", "0", "--optimizer", name, "--json", str(json_path),
-            f"--config.rl.micro_batch_size={tpu.target(target).devices}"]
+            f"--config.rl.micro_batch_size={n if n is not None else tpu.target(target).devices}"]
     if dtype:
         args.append(f"--config.model.param_dtype={_DTYPES[dtype]}")
     return args
@@ -97,6 +113,7 @@ def table(configs: list[str], targets: list[str], columns: list[str], workdir: p
     lines = ["| model | slice | " + " | ".join(columns) + " |",
              "|---|---|" + "---|" * len(columns)]
     largest: dict[str, str] = {}
+    slices = [t for t in targets if cpu_devices(t) is None]   # XLA:CPU's rows have no HBM to fit
     tried = {t: 0 for t in targets}   # models whose first column has run, per slice
     for config in configs:
         for target in targets:
@@ -111,11 +128,15 @@ def table(configs: list[str], targets: list[str], columns: list[str], workdir: p
                     or texts[0] == "–"):
                 largest[target] = pathlib.Path(config).stem   # configs run smallest model first
     lines.append("")
-    lines.append(f"GiB per chip: RL footprint (update peak); ✗ over the chip's HBM. Largest model "
-                 f"whose {columns[0]} RL fits: "
-                 + "; ".join(f"{t}: {largest.get(t, 'none')}" + (
-                     "" if tried[t] == len(configs) else f" ({tried[t]} of {len(configs)} models run)")
-                     for t in targets) + ".")
+    legend = "GiB per chip: RL footprint (update peak); ✗ over the chip's HBM."
+    if len(slices) < len(targets):
+        legend += " cpu-N: XLA:CPU, per simulated device, rollout phase from shapes."
+    if slices:
+        legend += (f" Largest model whose {columns[0]} RL fits: " + "; ".join(
+            f"{t}: {largest.get(t, 'none')}"
+            + ("" if tried[t] == len(configs) else f" ({tried[t]} of {len(configs)} models run)")
+            for t in slices) + ".")
+    lines.append(legend)
     return "\n".join(lines)
 
 
@@ -125,7 +146,8 @@ def define_flags():
     flags.DEFINE_list("configs", ["configs/qwen2_5_7b_gsm8k.py", "configs/gemma3_27b.py",
                                    "configs/llama3_70b.py"], "Config files, one row each.")
     flags.DEFINE_list("targets", ["v5p-8", "v5p-16", "v6e-8", "tpu7x-8"],
-                      "TPU slices (perf/tpu.py's Cloud names).")
+                      "TPU slices (perf/tpu.py's Cloud names), or cpu-N: XLA:CPU "
+                      "on N simulated devices.")
     flags.DEFINE_list("columns", ["logra:bf16", "logra:fp32", "lora:bf16", "adamw", "galore"],
                       "Columns: an optimizer, LoGRA's and LoRA's optionally with :bf16 or :fp32 "
                       "weights (default: the config's); the first decides 'largest model that fits'.")

@@ -181,17 +181,24 @@ def test_the_unattended_table_reads_each_cells_plan(tiny_on_tpu, tmp_path):
     for column in ("logra:bf16", "adamw"):
         name = memory_table.cell_name("configs/tiny.py", TARGET, column)
         (tmp_path / f"{name}.json").write_text(json.dumps(plan))
-    text = memory_table.table(["configs/tiny.py", "configs/gemma3_27b.py"], [TARGET],
+    text = memory_table.table(["configs/tiny.py", "configs/gemma3_27b.py"], [TARGET, "cpu-8"],
                               ["logra:bf16", "adamw"], tmp_path)
     footprint = plan["footprint"]["logra"]["total"] / 2 ** 30
     needed = plan["refused"]["adamw/fp32"]["needed"] / 2 ** 30
     assert f"| tiny | {TARGET} | {footprint:.2f} (" in text
     assert f"| refused: needs {needed:.1f} |" in text
     assert f"| gemma3_27b | {TARGET} | not run | not run |" in text
-    assert text.endswith(f"fits: {TARGET}: tiny (1 of 2 models run).")
+    assert "| tiny | cpu-8 | not run | not run |" in text
+    assert text.endswith(f"fits: {TARGET}: tiny (1 of 2 models run).")   # no HBM judges XLA:CPU's row
     args = memory_table.command("configs/gemma3_27b.py", "v6e-8", "logra:bf16", tmp_path / "c.json")
     assert args[args.index("--rollout_devices") + 1] == "0" and "--compare" not in args
     assert "--config.rl.micro_batch_size=8" in args and "--config.model.param_dtype=bfloat16" in args
     lora = memory_table.command("configs/gemma3_27b.py", "v6e-8", "lora", tmp_path / "c.json")
     assert lora[lora.index("--optimizer") + 1] == "lora"
     assert not any(a.startswith("--config.model.param_dtype") for a in lora)
+    # XLA:CPU's plan of the same column, on as many simulated devices as a slice has chips' devices
+    cpu = memory_table.command("configs/gemma3_27b.py", "cpu-4", "adamw", tmp_path / "c.json")
+    assert cpu[cpu.index("--target") + 1] == "cpu" and cpu[cpu.index("--mesh") + 1] == "fsdp=4,tensor=1"
+    assert "--config.rl.micro_batch_size=4" in cpu
+    with pytest.raises(ValueError, match="cpu-N"):
+        memory_table.command("configs/gemma3_27b.py", "cpu-x", "adamw", tmp_path / "c.json")
