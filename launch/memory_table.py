@@ -128,9 +128,10 @@ def table(configs: list[str], targets: list[str], columns: list[str], workdir: p
                     or texts[0] == "–"):
                 largest[target] = pathlib.Path(config).stem   # configs run smallest model first
     lines.append("")
-    legend = "GiB per chip: RL footprint (update peak); ✗ over the chip's HBM."
+    legend = ("GiB per device (a chip; half a tpu7x chip, one of its two TensorCores): RL footprint "
+              "(update peak); ✗ over the device's HBM.")
     if len(slices) < len(targets):
-        legend += " cpu-N: XLA:CPU, per simulated device, rollout phase from shapes."
+        legend += " cpu-N: XLA:CPU's plan per simulated device, its rollout phase from shapes."
     if slices:
         legend += (f" Largest model whose {columns[0]} RL fits: " + "; ".join(
             f"{t}: {largest.get(t, 'none')}"
