@@ -160,10 +160,12 @@ def get_config() -> ml_collections.ConfigDict:
         rank=64, alpha=128.0, targets=DEFAULT_TARGETS, init_seed=0,
         learning_rate=1e-5, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0, max_grad_norm=1.0,
     ))
-    # optax.contrib.galore(...) on the targets (one projector per layer), AdamW on the rest.
+    # GaLore (optax.contrib.galore's math) on the targets (one projector per layer), AdamW on the
+    # rest. projector: "svd" (the paper's) | "randomized" (a range finder: compiles in seconds for
+    # TPU, where an SVD compiles for minutes per matrix shape; logra_jax/optim/galore.py).
     c.optimizer.galore = ml_collections.ConfigDict(dict(
         learning_rate=1e-6, rank=128, update_proj_gap=200, scale=1.0, b1=0.9, b2=0.999, eps=1e-8,
-        weight_decay=0.0, targets=DEFAULT_TARGETS, max_grad_norm=1.0,
+        weight_decay=0.0, targets=DEFAULT_TARGETS, projector="svd", max_grad_norm=1.0,
     ))
 
     # Trainer → rollout engine (docs/algorithm.md §8; logra_jax/rl/sync.py).

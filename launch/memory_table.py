@@ -3,7 +3,8 @@
     python -m launch.memory_table --workdir /tmp/tpu_table \
         [--configs configs/qwen2_5_7b_gsm8k.py,configs/gemma3_27b.py,configs/llama3_70b.py] \
         [--targets v5p-8,v5p-16,v6e-8,tpu7x-8,cpu-4,cpu-8] \
-        [--columns logra:bf16,logra:fp32,lora:bf16,adamw,galore] [--out table.md] [--report_only]
+        [--columns logra:bf16,logra:fp32,lora:bf16,adamw,galore] [--out table.md] [--report_only] \
+        [--set optimizer.galore.projector=randomized]
 
 Each column of each (config, target) cell is one ``python -m launch.memory --target T`` run of
 that column's optimizer and weights (its update and its sampler's ``generate``), with the same
@@ -53,10 +54,12 @@ def cpu_devices(target: str) -> int | None:
         raise ValueError(f"--targets {target!r}: an XLA:CPU target is cpu-N, N devices") from None
 
 
-def command(config: str, target: str, column: str, json_path: pathlib.Path) -> list[str]:
+def command(config: str, target: str, column: str, json_path: pathlib.Path,
+            overrides: list[str] = ()) -> list[str]:
     """The launch.memory run of one column: its optimizer with its weights (``logra:bf16``) or, for
     a dense baseline, the usual fp32 master weights; one sequence per device per micro-step on the
-    slice's devices (FSDP over all of them), or on ``cpu-N``'s N simulated ones."""
+    slice's devices (FSDP over all of them), or on ``cpu-N``'s N simulated ones. ``overrides``
+    (KEY=VALUE) set config keys of every run, e.g. optimizer.galore.projector=randomized."""
     from logra_jax.perf import tpu
     name, _, dtype = column.partition(":")
     n = cpu_devices(target)
@@ -67,10 +70,16 @@ def command(config: str, target: str, column: str, json_path: pathlib.Path) -> l
             f"--config.rl.micro_batch_size={n if n is not None else tpu.target(target).devices}"]
     if dtype:
         args.append(f"--config.model.param_dtype={_DTYPES[dtype]}")
+    for override in overrides:
+        if "=" not in override:
+            raise ValueError(f"--set {override!r}: expected KEY=VALUE, e.g. "
+                             "optimizer.galore.projector=randomized")
+        args.append(f"--config.{override}")
     return args
 
 
-def run_column(config: str, target: str, column: str, workdir: pathlib.Path) -> None:
+def run_column(config: str, target: str, column: str, workdir: pathlib.Path,
+               overrides: list[str] = ()) -> None:
     name = cell_name(config, target, column)
     json_path = workdir / f"{name}.json"
     if json_path.exists():
@@ -79,7 +88,7 @@ def run_column(config: str, target: str, column: str, workdir: pathlib.Path) -> 
     partial = json_path.with_suffix(".partial.json")
     tic = time.monotonic()
     with open(workdir / f"{name}.log", "w") as out:
-        proc = subprocess.Popen(command(config, target, column, partial), stdout=out, stderr=out)
+        proc = subprocess.Popen(command(config, target, column, partial, overrides), stdout=out, stderr=out)
         _, status, usage = os.wait4(proc.pid, 0)
     # ru_maxrss is in KiB on Linux: the host memory one column needs, for sizing the machine.
     print(f"exit {os.waitstatus_to_exitcode(status)}, {time.monotonic() - tic:.0f} s, "
@@ -152,6 +161,9 @@ def define_flags():
     flags.DEFINE_list("columns", ["logra:bf16", "logra:fp32", "lora:bf16", "adamw", "galore"],
                       "Columns: an optimizer, LoGRA's and LoRA's optionally with :bf16 or :fp32 "
                       "weights (default: the config's); the first decides 'largest model that fits'.")
+    flags.DEFINE_list("set", [], "Config overrides for every run, KEY=VALUE (e.g. "
+                      "optimizer.galore.projector=randomized). Cells are named without them: "
+                      "give such runs a workdir of their own.")
     flags.DEFINE_string("workdir", None, "Where each cell's JSON and log are kept.")
     flags.DEFINE_string("out", None, "Also write the markdown table here.")
     flags.DEFINE_bool("report_only", False, "Run nothing: tabulate the cells done.")
@@ -167,7 +179,7 @@ def main(argv):
         for config in f.configs:
             for target in f.targets:
                 for column in f.columns:
-                    run_column(config, target, column, workdir)
+                    run_column(config, target, column, workdir, f.set)
     text = table(f.configs, f.targets, f.columns, workdir)
     print(text)
     if f.out:

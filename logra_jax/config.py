@@ -165,6 +165,7 @@ SYNC_DTYPES = ("bfloat16", "float32")
 MODEL_DTYPES = ("float32", "bfloat16")                      # models.config.DTYPES
 DISTRIBUTIONS = ("rademacher", "gaussian", "rademacher_threefry")   # projections.DISTRIBUTIONS
 ROUNDINGS = ("nearest", "stochastic")                       # optim.rounding.ROUNDINGS
+GALORE_PROJECTORS = ("svd", "randomized")                   # optim.galore.PROJECTORS
 DATA_SOURCES = ("task", "gsm8k")
 
 _ADAM = {"b1": DECAY, "b2": DECAY, "eps": POSITIVE, "weight_decay": NONNEGATIVE,
@@ -234,7 +235,8 @@ VALUE_RULES: dict[str, Rule] = {
                                                 init_seed=INTEGER).items()},
     **{f"optimizer.galore.{k}": r for k, r in dict(_ADAM, learning_rate=NONNEGATIVE, rank=POSITIVE_INT,
                                                   update_proj_gap=POSITIVE_INT, scale=POSITIVE,
-                                                  targets=REGEX).items()},
+                                                  targets=REGEX, projector=one_of(*GALORE_PROJECTORS)
+                                                  ).items()},
     "sync.mode": one_of(*SYNC_MODES), "sync.rollout_devices": NONNEGATIVE_INT,
     "sync.rollout_mesh.fsdp": AXIS_SIZE, "sync.rollout_mesh.tensor": AXIS_SIZE,
     "sync.master_copy": BOOL, "sync.dtype": one_of(*SYNC_DTYPES),

@@ -222,6 +222,7 @@ def test_every_key_of_the_base_config_has_a_rule():
 def test_the_rules_choices_are_the_librarys():
     """logra_jax/config.py sits below the library and spells its choices out; they must agree."""
     from logra_jax.models.config import DTYPES
+    from logra_jax.optim.galore import PROJECTORS
     from logra_jax.optim.rounding import ROUNDINGS
     from logra_jax.projections import DISTRIBUTIONS
     from logra_jax.rl import losses, sync
@@ -235,6 +236,7 @@ def test_the_rules_choices_are_the_librarys():
     assert set(config_lib.MODEL_DTYPES) == set(DTYPES)
     assert config_lib.DISTRIBUTIONS == DISTRIBUTIONS
     assert set(config_lib.ROUNDINGS) == set(ROUNDINGS)
+    assert config_lib.GALORE_PROJECTORS == PROJECTORS
 
 
 @pytest.mark.parametrize("overrides, ignored", [

@@ -1,6 +1,7 @@
 """The baselines in the loop: Adafactor, GaLore (optim/baselines.py) and LoRA (optim/lora.py)
-train, checkpoint and resume bit for bit; GaLore on stacked kernels is GaLore on each layer; a
-LoRA run exports with its adapters merged."""
+train, checkpoint and resume bit for bit; our GaLore is optax's with the SVD projector, and its
+randomized projector finds the SVD's subspace; GaLore on stacked kernels is GaLore on each layer;
+a LoRA run exports with its adapters merged."""
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +11,7 @@ from optax.contrib import galore
 
 from logra_jax import metrics
 from logra_jax.optim.baselines import galore_baseline, over_layers
+from logra_jax.optim.galore import fresh_projector, galore as our_galore
 from logra_jax.rl import trainer as trainer_lib
 from logra_jax.tree_paths import leaves_with_paths
 from tiny_config import tiny_config
@@ -36,6 +38,48 @@ def test_over_layers_is_the_transform_on_each_layer_alone():
         assert float(jnp.abs(updates).max()) > 0
 
 
+def test_our_galore_with_the_svd_projector_is_optaxs():
+    """optim/galore.py with projector="svd" against optax.contrib.galore: a tall and a wide matrix
+    (left and right projectors) and a vector (not projected), weight decay, the projector refreshed
+    at steps 0 and 2 while Adam's moments carry over: the same updates and the same state tree
+    (a checkpoint of either restores into the other)."""
+    keys = jax.random.split(jax.random.PRNGKey(0), 5)
+    params = {"tall": jax.random.normal(keys[0], (16, 8)), "wide": jax.random.normal(keys[0], (6, 20)),
+              "vector": jnp.ones(5)}
+    theirs, ours = (make(0.1, rank=3, update_proj_gap=2, weight_decay=0.01) for make in (galore, our_galore))
+    theirs_state, ours_state = theirs.init(params), ours.init(params)
+    assert jax.tree.structure(theirs_state) == jax.tree.structure(ours_state)
+    for step in range(4):
+        grads = jax.tree.map(lambda p: jax.random.normal(keys[step + 1], p.shape), params)
+        expected, theirs_state = jax.jit(theirs.update)(grads, theirs_state, params)
+        got, ours_state = jax.jit(ours.update)(grads, ours_state, params)
+        for path in params:
+            np.testing.assert_allclose(got[path], expected[path], rtol=1e-6, atol=1e-8,
+                                       err_msg=f"{path} at step {step}")
+            assert float(jnp.abs(got[path]).max()) > 0
+
+
+@pytest.mark.parametrize("shape", [(384, 96), (96, 384)])
+def test_the_randomized_projector_finds_the_svds_subspace(shape):
+    """A gradient whose singular values decay as 0.9^i (a slow decay: σ_{r+8}/σ_r = 0.43): the
+    range finder's r = 16 orthonormal vectors capture G's energy as the SVD's first 16 do, on the
+    side GaLore projects (left for a tall G, right for a wide one), for two different draws of Ω."""
+    m, n = shape
+    keys = jax.random.split(jax.random.PRNGKey(1), 4)
+    u, _ = jnp.linalg.qr(jax.random.normal(keys[0], (m, min(m, n))))
+    v, _ = jnp.linalg.qr(jax.random.normal(keys[1], (n, min(m, n))))
+    g = (u * 0.9 ** jnp.arange(min(m, n))) @ v.T
+    exact = fresh_projector(g, 16, "svd", keys[2])
+    captured = lambda p: float(jnp.sum(jnp.square(p.T @ g if m >= n else g @ p)))
+    for key in keys[2:]:
+        found = fresh_projector(g, 16, "randomized", key)
+        assert found.shape == exact.shape == (max(m, n), 16)
+        np.testing.assert_allclose(found.T @ found, np.eye(16), atol=1e-5)
+        assert captured(found) >= (1 - 1e-4) * captured(exact), (captured(found), captured(exact))
+        # and the subspace itself: the cosines of the principal angles to the SVD's are all near 1
+        assert float(jnp.linalg.svd(exact.T @ found, compute_uv=False).min()) > 0.999
+
+
 def test_galore_projects_only_the_targets():
     params = {"layers": {"mlp": {"up_proj": {"kernel": jnp.ones((2, 16, 8))}}},
               "norm": {"scale": jnp.ones((8,))}}
@@ -50,14 +94,18 @@ def test_galore_projects_only_the_targets():
 # LoRA as every LoRA test here runs it: rank 4 with a rate at which 2 steps visibly move the
 # logits; one config, so the tests' trainers compile the same programs (the session's cache).
 LORA = {"name": "lora", "lora": {"rank": 4, "learning_rate": 3e-2}}
+# GaLore with the projector a TPU run uses (the SVD's is optax's, tested above): its Ω is drawn
+# from the step count, so a resumed run must draw the same.
+GALORE = {"name": "galore", "galore": {"projector": "randomized"}}
 
 
 @pytest.mark.parametrize("name", ["adafactor", "galore", "lora"])
 def test_trains_checkpoints_and_resumes_bit_exactly(name, tmp_path):
-    """configs/tiny.py with optimizer.name=<name>: every parameter moves (LoRA: every adapter, and
-    no base weight); stopping after step 1 and resuming ends on the straight run's weights and
+    """configs/tiny.py with optimizer.name=<name> (GaLore's randomized projector): every parameter
+    moves (LoRA: every adapter, and no base weight); stopping after step 1 and resuming ends on the straight run's weights and
     optimizer state, bit for bit."""
-    config = tiny_config({"optimizer": LORA if name == "lora" else {"name": name}, "max_steps": 2,
+    optimizer = {"lora": LORA, "galore": GALORE}.get(name, {"name": name})
+    config = tiny_config({"optimizer": optimizer, "max_steps": 2,
                           "checkpoint": {"every": 1, "keep": 2}})
     trainer = trainer_lib.Trainer(config)
     straight = trainer_lib.Run(config, tmp_path / "straight", trainer=trainer)

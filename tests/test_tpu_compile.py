@@ -172,6 +172,28 @@ def test_the_xla_cpu_layout_barriers_stay_out_of_tpu_programs(monkeypatch):
     assert cost(forced)["bytes accessed"] > cost(without)["bytes accessed"]
 
 
+def test_galores_randomized_projector_compiles_for_tpu_without_the_svd():
+    """GaLore's projector refresh lowered for a TPU chip: jnp.linalg.svd becomes the TPU's
+    size-unrolled QDWH program (minutes per 7B matrix shape to compile), the randomized range
+    finder has none of it and compiles (optim/galore.py)."""
+    from logra_jax.optim.baselines import over_layers
+    from logra_jax.optim.galore import galore
+
+    on = NamedSharding(Mesh(np.array(tpu.devices(tpu.target(TARGET))[:1]), ("x",)), P())
+    kernels = jax.ShapeDtypeStruct((2, 256, 1024), jnp.float32, sharding=on)
+
+    def lowered(projector):
+        tx = over_layers(galore(0.1, rank=16, projector=projector))
+        state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=on),
+                             jax.eval_shape(tx.init, kernels))
+        return jax.jit(tx.update).lower(kernels, state, kernels)
+
+    assert "qdwh" in lowered("svd").as_text()
+    randomized = lowered("randomized")
+    assert "qdwh" not in randomized.as_text()
+    assert randomized.compile().memory_analysis().output_size_in_bytes >= 2 * 256 * 1024 * 4  # updates
+
+
 def test_the_unattended_table_reads_each_cells_plan(tiny_on_tpu, tmp_path):
     """launch.memory_table: one launch.memory run per (config, slice, column), tabulated from its
     JSON — a fitting column's footprint and peak, a refused one's need, columns not yet run, and
@@ -202,3 +224,9 @@ def test_the_unattended_table_reads_each_cells_plan(tiny_on_tpu, tmp_path):
     assert "--config.rl.micro_batch_size=4" in cpu
     with pytest.raises(ValueError, match="cpu-N"):
         memory_table.command("configs/gemma3_27b.py", "cpu-x", "adamw", tmp_path / "c.json")
+    # --set: config keys of every run (GaLore's projector for TPU slices)
+    galore = memory_table.command("configs/gemma3_27b.py", "v5p-8", "galore", tmp_path / "c.json",
+                                  ["optimizer.galore.projector=randomized"])
+    assert galore[-1] == "--config.optimizer.galore.projector=randomized"
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        memory_table.command("configs/gemma3_27b.py", "v5p-8", "galore", tmp_path / "c.json", ["oops"])

@@ -10,21 +10,22 @@ so a non-finite gradient is skipped as for LoGRA (transforms.py), and clipping i
   adafactor  optax.adafactor (Shazeer & Stern 2018): for an (n × m) matrix the second moment is
              factored into row and column statistics, V ≈ R·C / sum(R) (n + m numbers instead of
              n·m), no first moment by default, updates clipped to RMS ≤ clipping_threshold.
-  galore     optax.contrib.galore (Zhao et al. 2024): for each target matrix G (in × out) a
-             projector P (r columns of G's SVD, recomputed every update_proj_gap steps) maps the
-             gradient to R = Pᵀ·G (or G·P), Adam runs on R (2·r·max(in, out) moments) and the
-             update P·Adam(R)·scale returns to full size. Targets are the LoGRA targets; the rest
-             get AdamW. optax's GaLore projects 2-D arrays only, and our kernels are stacked
+  galore     GaLore (Zhao et al. 2024; optim/galore.py, optax.contrib.galore's math): for each
+             target matrix G (in × out) a projector P (G's top r singular vectors, recomputed
+             every update_proj_gap steps by an SVD or, for TPUs, a randomized range finder) maps
+             the gradient to R = Pᵀ·G (or G·P), Adam runs on R (2·r·max(in, out) moments) and
+             the update P·Adam(R)·scale returns to full size. Targets are the LoGRA targets; the
+             rest get AdamW. GaLore projects 2-D arrays, and our kernels are stacked
              (L, in, out), so `over_layers` runs it on one layer at a time (each layer its own
-             projector, as in the paper), under lax.map so the SVD's lax.cond stays a branch.
+             projector, as in the paper), under lax.map so the refresh's lax.cond stays a branch.
 """
 
 from __future__ import annotations
 
 import optax
 import jax
-from optax.contrib import galore as optax_galore
 
+from logra_jax.optim.galore import galore
 from logra_jax.optim.targets import DEFAULT_TARGETS, SketchSpec
 from logra_jax.optim.transforms import skip_nonfinite_gradients
 from logra_jax.tree_paths import map_with_paths
@@ -72,16 +73,17 @@ def over_layers(inner: optax.GradientTransformation) -> optax.GradientTransforma
 
 
 def galore_baseline(learning_rate, *, rank=128, update_proj_gap=200, scale=1.0, b1=0.9, b2=0.999,
-                    eps=1e-8, weight_decay=0.0, targets=DEFAULT_TARGETS,
+                    eps=1e-8, weight_decay=0.0, targets=DEFAULT_TARGETS, projector="svd",
                     max_grad_norm=1.0) -> optax.GradientTransformation:
-    """GaLore on the target projections (each layer its own projector), AdamW on the rest."""
+    """GaLore on the target projections (each layer its own projector), AdamW on the rest.
+    ``projector``: "svd" (the paper's) or "randomized" (compiles in seconds for TPU; galore.py)."""
     is_target = SketchSpec(targets=targets).is_target
 
     def labels(params):
         return map_with_paths(lambda path, _: "galore" if is_target(path) else "adamw", params)
 
-    projected = over_layers(optax_galore(learning_rate, rank=rank, update_proj_gap=update_proj_gap,
-                                         scale=scale, weight_decay=weight_decay,
-                                         base_optimizer=optax.scale_by_adam(b1=b1, b2=b2, eps=eps)))
+    projected = over_layers(galore(learning_rate, rank=rank, update_proj_gap=update_proj_gap,
+                                   scale=scale, weight_decay=weight_decay, projector=projector,
+                                   base_optimizer=optax.scale_by_adam(b1=b1, b2=b2, eps=eps)))
     rest = optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
     return _guarded(optax.partition({"galore": projected, "adamw": rest}, labels), max_grad_norm)
