@@ -57,6 +57,14 @@ class Checkpointer:
     def all_steps(self) -> list[int]:
         return list(self._manager.all_steps())
 
+    def read_meta(self, step: int) -> dict:
+        """The JSON meta of checkpoint ``step`` alone (no arrays read: a resume checks it before
+        the model is built); raises whatever orbax raises for a folder it cannot read."""
+        with _quiet(logging.FATAL):
+            restored = self._manager.restore(step, args=ocp.args.Composite(
+                meta=ocp.args.JsonRestore()))
+        return dict(restored["meta"])
+
     def save(self, step: int, state: Any, meta: dict) -> None:
         """Writes checkpoint ``step``; a failed write (a full disk, a file size limit, a folder
         made unwritable) is an OSError naming the folder, whatever orbax raised."""

@@ -309,12 +309,35 @@ def as_json(config: ml_collections.ConfigDict) -> dict:
     return json.loads(json.dumps(config.to_dict(), default=str))
 
 
+def resumable(key: str) -> bool:
+    """Whether a resume may change the dotted ``key`` (`RESUMABLE_CHANGES`)."""
+    return any(key == h or (h.endswith(".") and key.startswith(h)) for h in RESUMABLE_CHANGES)
+
+
 def state_changes(saved: dict, current: dict) -> list[str]:
-    """Keys whose value differs between two configs' JSON, except `RESUMABLE_CHANGES`."""
+    """Keys whose value differs between two configs' JSON (nested, or flat as `fingerprint`'s),
+    except `RESUMABLE_CHANGES`."""
     old, new = flatten(saved), flatten(current)
     changed = sorted(k for k in set(old) | set(new) if old.get(k, "<absent>") != new.get(k, "<absent>"))
-    return [k for k in changed
-            if not any(k == h or (h.endswith(".") and k.startswith(h)) for h in RESUMABLE_CHANGES)]
+    return [k for k in changed if not resumable(k)]
+
+
+def fingerprint(config: ml_collections.ConfigDict) -> dict[str, object]:
+    """{dotted key: JSON value} of every key that changes what training computes (all but
+    `RESUMABLE_CHANGES`): what a checkpoint records of the config that trained it, so that a resume
+    can be checked against the checkpoint itself, not only against the workdir's config.json."""
+    return {k: v for k, v in flatten(as_json(config)).items() if not resumable(k)}
+
+
+def describe_changes(saved: dict, current: dict, keys: Sequence[str], most: int = 6) -> str:
+    """"seed 0 → 1, optimizer.name 'logra' → 'adamw'" for ``keys`` (`state_changes`), at most
+    ``most`` of them spelled out."""
+    old, new = flatten(saved), flatten(current)
+    def value(values, key):
+        return repr(values[key]) if key in values else "(absent)"
+    shown = [f"{k} {value(old, k)} → {value(new, k)}" for k in keys[:most]]
+    more = f" and {len(keys) - most} more" if len(keys) > most else ""
+    return ", ".join(shown) + more
 
 
 def config_path_from_argv(argv: Sequence[str]) -> str | None:

@@ -30,6 +30,7 @@ from absl import logging
 from flax import nnx
 
 from logra_jax import checkpoint as checkpoint_lib
+from logra_jax import config as config_lib
 from logra_jax import distributed, host_arrays, model_shapes
 from logra_jax import metrics as metrics_lib
 from logra_jax import sharding as sharding_lib
@@ -225,8 +226,11 @@ def check_with_shapes(config: ml_collections.ConfigDict) -> None:
         raise ValueError(f"optimizer.{config.optimizer.name} on this model: {e}") from None
 
 
-# What `Run._steps` saves beside the arrays: the step, REINFORCE's running baseline, the data position.
+# What `Run._steps` saves beside the arrays: the step, REINFORCE's running baseline, the data
+# position; and the fingerprint of the config that trained it (`config.fingerprint`), which a
+# resume is checked against (checkpoints written before it was added have none).
 LOOP_META = ("step", "baseline", "data")
+CONFIG_META = "config"
 
 
 def _loop_meta(meta: dict, where: pathlib.Path) -> tuple[int, float, Any]:
@@ -252,6 +256,7 @@ class Run:
     def __init__(self, config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,
                  trainer: Trainer | None = None, fresh: bool = False):
         self.config = config
+        self._fingerprint = config_lib.fingerprint(config)   # recorded in every checkpoint
         self._lock = None
         # What can be checked in a moment is checked before the model is built, and before
         # anything in the workdir is written.
@@ -288,7 +293,19 @@ class Run:
         history = workdir_lib.History(self.workdir)
         if (self.workdir / workdir_lib.CHECKPOINTS).exists():
             self.ckpt = self._checkpointer()
-        history.check_continues(self.config, self.ckpt.all_steps() if self.ckpt else [])
+        history.check_continues(self.config, self._recorded_configs())
+
+    def _recorded_configs(self) -> dict[int, dict | None]:
+        """{step: the config fingerprint checkpoint ``step`` records (None: none)} of every
+        checkpoint whose meta can be read; a damaged one is `_start`'s to set aside."""
+        recorded = {}
+        for step in self.ckpt.all_steps() if self.ckpt else []:
+            try:
+                meta = self.ckpt.read_meta(step)
+            except Exception:  # noqa: BLE001  orbax raises many kinds for a damaged folder
+                continue
+            recorded[step] = meta.get(CONFIG_META)
+        return recorded
 
     def _checkpointer(self) -> checkpoint_lib.Checkpointer:
         """Orbax's manager creates the folder it manages: a new workdir gets it only once the run
@@ -306,7 +323,10 @@ class Run:
             step, baseline = 0, 0.0
         else:
             saved, (params, opt_state), meta = latest
-            step, baseline, data_state = _loop_meta(meta, self.ckpt.directory / str(saved))
+            where = self.ckpt.directory / str(saved)
+            step, baseline, data_state = _loop_meta(meta, where)
+            # History checked every readable checkpoint; this is the one restored, read whole.
+            workdir_lib.check_checkpoint_config(meta.get(CONFIG_META), where, self.config)
             self.data.restore(data_state)
             logging.info("resumed from %s at step %d", self.ckpt.directory, step)
         # A resume keeps the config the run started with (History checked that only keys a
@@ -399,7 +419,8 @@ class Run:
             stopped = distributed.any_process(stop.signum is not None)
             if step % config.checkpoint.every == 0 or step == config.max_steps or stopped:
                 ckpt.save(step, (params, opt_state),
-                          dict(zip(LOOP_META, (step, baseline, data.state()))))
+                          {**dict(zip(LOOP_META, (step, baseline, data.state()))),
+                           CONFIG_META: self._fingerprint})
         return last, step, params, opt_state, stopped
 
     def _check_divergence(self, step: int, row: dict, params, skipped_in_a_row: int) -> int:

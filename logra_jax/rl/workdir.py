@@ -132,12 +132,28 @@ class History:
             return []
         return config_lib.state_changes(self.config, config_lib.as_json(config))
 
-    def check_continues(self, config: ml_collections.ConfigDict, checkpoint_steps: list[int]) -> None:
+    def check_continues(self, config: ml_collections.ConfigDict,
+                        checkpoints: dict[int, dict | None]) -> None:
         """Refuses a run that would not continue this history: a config that changes the saved
-        state, or recorded steps (or another config) with no checkpoint to resume them from."""
+        state, or recorded steps (or another config) with no checkpoint to resume them from.
+
+        ``checkpoints``: {step: the config fingerprint its meta records, or None when it records
+        none (written before checkpoints carried one)} of every checkpoint whose meta can be read
+        (a damaged one is left to the restore, which sets it aside)."""
         changed = self.changes(config)
         path = self.workdir / CONFIG
-        if checkpoint_steps:
+        if checkpoints:
+            for step in sorted(checkpoints, reverse=True):
+                check_checkpoint_config(checkpoints[step], self.workdir / CHECKPOINTS / str(step),
+                                        config)
+            if all(fp is None for fp in checkpoints.values()) and self.config is None:
+                newest = max(checkpoints)
+                raise ValueError(f"checkpoint {newest} in {self.workdir / CHECKPOINTS} records no "
+                                 f"config (it was written by an earlier version) and {path} is "
+                                 f"gone, so nothing tells whether this config continues it; put "
+                                 f"back the config.json it was trained with, or pass --fresh to "
+                                 f"set this run aside and start over")
+        if checkpoints:
             if changed:
                 raise ValueError(f"{self.workdir} holds a run with another config: "
                                  f"{', '.join(changed)} changed (see {path}); resume with the "
@@ -155,6 +171,22 @@ class History:
                              f"({', '.join(changed)} changed) and no checkpoint; pass --fresh to "
                              f"move it into {self.workdir}/previous-<time>/ and start over, or use "
                              f"another --workdir")
+
+
+def check_checkpoint_config(recorded: dict | None, where: pathlib.Path,
+                            config: ml_collections.ConfigDict) -> None:
+    """Refuses to resume checkpoint ``where`` with ``config`` when the config fingerprint its meta
+    records (``recorded``; None: none recorded) differs in a key that changes training, naming
+    each key with its recorded and its new value."""
+    if recorded is None:
+        return
+    current = config_lib.as_json(config)
+    changed = config_lib.state_changes(recorded, current)
+    if changed:
+        raise ValueError(f"checkpoint {where.name} in {where.parent} was trained with another "
+                         f"config: {config_lib.describe_changes(recorded, current, changed)}; "
+                         f"resume with the values it was trained with, use another --workdir, or "
+                         f"pass --fresh to set this run aside and start over")
 
 
 def set_aside(workdir: pathlib.Path) -> pathlib.Path | None:

@@ -1,0 +1,99 @@
+"""A checkpoint records the config that trained it, so a resume with another config is refused by
+name whether or not the workdir's config.json is still there, and config.json is rebuilt only
+from a checkpoint whose config matches.
+
+Each test copies the workdir of the session's 2-step tiny run (`trained_tiny_run`: seed 0,
+checkpoint 2) and runs `launch.train`'s `run` on it in this process; a refusal comes before the
+model is built, and a matching resume reuses the session's compiled Trainer.
+"""
+
+import hashlib
+import json
+import pathlib
+import shutil
+
+import pytest
+
+from launch import train as train_cli
+from logra_jax import config as config_lib
+from logra_jax.rl import build
+from logra_jax.rl import trainer as trainer_lib
+from tiny_config import tiny_config
+
+
+def _snapshot(workdir: pathlib.Path) -> dict[str, tuple[int, str] | None]:
+    return {str(f.relative_to(workdir)): (f.stat().st_mtime_ns,
+                                          hashlib.sha256(f.read_bytes()).hexdigest())
+            if f.is_file() else None for f in sorted(workdir.rglob("*"))}
+
+
+@pytest.fixture
+def copied(trained_tiny_run, tmp_path) -> pathlib.Path:
+    """A copy of the trained workdir, without its config.json."""
+    workdir = tmp_path / "workdir"
+    shutil.copytree(trained_tiny_run.workdir, workdir)
+    (workdir / "config.json").unlink()
+    return workdir
+
+
+def _refused(config, workdir) -> str:
+    before = _snapshot(workdir)
+    with pytest.raises(SystemExit) as exit_:
+        train_cli.run(config, str(workdir))
+    line = exit_.value.code
+    assert isinstance(line, str) and line.startswith("error: ") and "\n" not in line, line
+    assert _snapshot(workdir) == before          # nothing written, config.json not rebuilt
+    return line
+
+
+def test_a_resume_with_another_seed_is_refused_without_config_json(copied):
+    """The case that used to resume silently: seed 0's checkpoint, config.json deleted, the run
+    resumed with seed 1 and recorded seed 1 for a history trained with seed 0."""
+    line = _refused(tiny_config(dict(max_steps=3, seed=1)), copied)
+    assert f"checkpoint 2 in {copied / 'checkpoints'} was trained with another config" in line, line
+    assert "seed 0 → 1" in line, line
+    assert "--fresh" in line
+
+
+def test_a_resume_with_another_optimizer_is_refused_before_the_model(copied, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was built before the refusal")
+    monkeypatch.setattr(build, "build_model", refuse)
+    line = _refused(tiny_config(dict(max_steps=3, optimizer=dict(name="adamw"))), copied)
+    assert "optimizer.name 'logra' → 'adamw'" in line, line
+
+
+def test_config_json_is_rebuilt_from_a_matching_checkpoint(copied, shipped_tiny_trainer):
+    """max_steps, log.* and the other keys a resume may change do not count; config.json comes
+    back as the resuming config."""
+    config = tiny_config(dict(max_steps=2, log=dict(sample_every=5)))
+    run = trainer_lib.Run(config, copied, trainer=shipped_tiny_trainer)
+    try:
+        assert run.loop() == {}                   # step 2 already reached: restored, nothing trained
+    finally:
+        run.close()
+    assert json.loads((copied / "config.json").read_text()) == config_lib.as_json(config)
+
+
+def _strip_fingerprint(workdir: pathlib.Path) -> None:
+    """What a checkpoint written before checkpoints carried their config holds: the loop's meta."""
+    for meta in (workdir / "checkpoints").glob("*/meta/metadata"):
+        saved = json.loads(meta.read_text())
+        assert "config" in saved, saved          # this version writes it
+        meta.write_text(json.dumps({k: v for k, v in saved.items() if k != "config"}))
+
+
+def test_an_old_checkpoint_without_a_config_needs_its_config_json(copied, trained_tiny_run,
+                                                                  shipped_tiny_trainer):
+    """Without the fingerprint and without config.json nothing can tell the config: refused.
+    With config.json back, config.json's check decides, as before fingerprints."""
+    _strip_fingerprint(copied)
+    line = _refused(tiny_config(dict(max_steps=2)), copied)
+    assert "records no config" in line and "config.json" in line, line
+    shutil.copy(trained_tiny_run.workdir / "config.json", copied / "config.json")
+    assert "seed changed" in _refused(tiny_config(dict(max_steps=3, seed=1)), copied)
+    run = trainer_lib.Run(tiny_config(dict(max_steps=2)), copied, trainer=shipped_tiny_trainer)
+    try:
+        assert run.loop() == {}
+    finally:
+        run.close()
