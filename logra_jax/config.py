@@ -15,6 +15,7 @@ import math
 import pathlib
 import re
 import sys
+import traceback
 from typing import Callable, Sequence
 
 import ml_collections
@@ -22,17 +23,51 @@ import ml_collections
 OVERRIDE_PREFIX = "--config."
 
 
+class ConfigFileError(ValueError):
+    """A config file that cannot give a config: the message names the file (and its line, where
+    Python gives one) and what went wrong; the original exception is its ``__cause__``."""
+
+
+def _where(path: pathlib.Path, error: BaseException) -> str:
+    """'path:line' of the innermost frame of ``error``'s traceback inside ``path`` (a SyntaxError:
+    its own line), else 'path'."""
+    if isinstance(error, SyntaxError) and error.lineno:
+        return f"{path}:{error.lineno}"
+    line = None
+    for frame, lineno in traceback.walk_tb(error.__traceback__):
+        if pathlib.Path(frame.f_code.co_filename).resolve() == path.resolve():
+            line = lineno
+    return f"{path}:{line}" if line else str(path)
+
+
 def load_config_file(path: str | pathlib.Path) -> ml_collections.ConfigDict:
-    """Imports ``path`` and calls its ``get_config()``; a missing file is a clear error."""
+    """Imports ``path`` and returns its ``get_config()``. Any failure — a missing file, a folder,
+    a syntax error, an exception while importing it or in ``get_config``, a result that is not a
+    ConfigDict — is a `ConfigFileError` naming the file (``file:line`` where there is one)."""
     path = pathlib.Path(path)
+    if path.is_dir():
+        raise ConfigFileError(f"config file {str(path)!r} is a folder; pass a configs/*.py file")
     if not path.is_file():
-        raise FileNotFoundError(f"config file {str(path)!r} does not exist")
+        raise ConfigFileError(f"config file {str(path)!r} does not exist")
     spec = importlib.util.spec_from_file_location(f"_config_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    if not hasattr(module, "get_config"):
-        raise ValueError(f"config file {str(path)!r} has no get_config() function")
-    return module.get_config()
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:  # a config file is arbitrary Python: any error is the file's
+        what = e.msg if isinstance(e, SyntaxError) else str(e)
+        raise ConfigFileError(f"config file {_where(path, e)}: {type(e).__name__}: {what}") from e
+    if not callable(getattr(module, "get_config", None)):
+        raise ConfigFileError(f"config file {str(path)!r} has no get_config() function")
+    try:
+        config = module.get_config()
+    except Exception as e:  # noqa: BLE001
+        raise ConfigFileError(f"config file {_where(path, e)}: get_config() raised "
+                              f"{type(e).__name__}: {e}") from e
+    if not isinstance(config, ml_collections.ConfigDict):
+        raise ConfigFileError(f"config file {str(path)!r}: get_config() returned "
+                              f"{type(config).__name__} {config!r:.60}, not an "
+                              f"ml_collections.ConfigDict")
+    return config
 
 
 def overrides(argv: Sequence[str]) -> list[tuple[str, str | None]]:
@@ -362,6 +397,7 @@ def check_argv(argv: Sequence[str], required: Sequence[str] = ()) -> None:
     """
     if any(arg in HELP_FLAGS for arg in argv):
         return
+    verbose = any(arg in ("--verbose", "--verbose=true", "--verbose=True") for arg in argv)
     for name in required:
         if not any(a == f"--{name}" or a.startswith(f"--{name}=") for a in argv):
             sys.exit(f"error: --{name} is required")
@@ -373,7 +409,9 @@ def check_argv(argv: Sequence[str], required: Sequence[str] = ()) -> None:
         check_overrides(config, override_keys(argv))
         for key, value in overrides(argv):
             check_override_value(config, key, value)
-    except (FileNotFoundError, ValueError) as e:
+    except ValueError as e:
+        if verbose and e.__cause__ is not None:
+            raise   # the traceback of the config file's own error
         sys.exit(f"error: {e}")
 
 

@@ -280,6 +280,8 @@ CLI_ROWS = [
      "error: config file 'configs/nope.py' does not exist"),
     ("config-without-get-config", ["--config", "{bad_config}", "--workdir", "{w}"],
      "has no get_config() function"),
+    ("config-syntax-error", ["--config", "{syntax_error}", "--workdir", "{w}"],
+     "bad_syntax.py:1: SyntaxError: invalid syntax"),
     ("unknown-key", ["--config", "configs/tiny.py", "--workdir", "{w}", "--config.optimizer.rnak=4"],
      "error: unknown config key 'optimizer.rnak'"),
     ("value-of-wrong-type", ["--config", "configs/tiny.py", "--workdir", "{w}", "--config.max_steps=abc"],
@@ -300,13 +302,48 @@ def test_bad_command_line_is_one_line(argv, message, trained, tmp_path):
     before = _snapshot(workdir)
     bad_config = tmp_path / "bad_config.py"
     bad_config.write_text("x = 1\n")
-    argv = [a.format(w=workdir, bad_config=bad_config) for a in argv]
+    syntax_error = tmp_path / "bad_syntax.py"
+    syntax_error.write_text("def get_config(:\n")
+    argv = [a.format(w=workdir, bad_config=bad_config, syntax_error=syntax_error) for a in argv]
     done = subprocess.run([sys.executable, "-m", "launch.train", *argv], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 1, done.stderr[-2000:]
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
     assert _snapshot(workdir) == before
+
+
+# A config file that cannot give a config: (row id, file text or None for a folder, the line).
+CONFIG_FILE_ROWS = [
+    ("a-folder", None, "error: config file '{path}' is a folder; pass a configs/*.py file"),
+    ("syntax-error", "def get_config(:\n", "error: config file {path}:1: SyntaxError: invalid syntax"),
+    ("undefined-name", "x = 1\ny = undefined_name\n",
+     "error: config file {path}:2: NameError: name 'undefined_name' is not defined"),
+    ("get-config-raises", "def get_config():\n    raise RuntimeError('boom')\n",
+     "error: config file {path}:2: get_config() raised RuntimeError: boom"),
+    ("not-a-config-dict", "def get_config():\n    return 42\n",
+     "error: config file '{path}': get_config() returned int 42, not an ml_collections.ConfigDict"),
+]
+
+
+@pytest.mark.parametrize("text, message", [r[1:] for r in CONFIG_FILE_ROWS],
+                         ids=[r[0] for r in CONFIG_FILE_ROWS])
+def test_a_config_file_that_cannot_be_loaded_is_one_line_naming_it(text, message, tmp_path):
+    """What launch.train checks first (`check_argv`, before absl loads the file): one line naming
+    the file and its line; --verbose keeps the file's own traceback."""
+    path = tmp_path / "my_config.py"
+    if text is None:
+        path.mkdir()
+    else:
+        path.write_text(text)
+    argv = ["--config", str(path), "--workdir", str(tmp_path / "w"), "--config.max_steps=2"]
+    with pytest.raises(SystemExit) as exit_:
+        config_lib.check_argv(argv, required=("config", "workdir"))
+    assert exit_.value.code == message.format(path=path)
+    if "Error:" in message:   # the file raised: --verbose shows where
+        with pytest.raises(config_lib.ConfigFileError) as raised:   # a traceback, not a line
+            config_lib.check_argv(argv + ["--verbose"], required=("config", "workdir"))
+        assert f"{type(raised.value.__cause__).__name__}" in message   # chained: the file's own
 
 
 @pytest.mark.parametrize("flag", ["--help", "--helpfull"])
