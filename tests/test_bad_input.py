@@ -106,7 +106,10 @@ ROWS = [
     ("targets", dict(optimizer=dict(logra=dict(targets="no_such_layer"))),
      "optimizer.logra on this model: targets pattern 'no_such_layer' matched no parameter"),
     ("rank-not-below-width", dict(optimizer=dict(logra=dict(rank=64))),
-     "its sketch shape (2, 64, 64) equals its kernel shape, so a gradient leaf cannot tell dense from sketched; lower rank below 64"),
+     "optimizer.logra on this model (optimizer.logra.rank=64): target 'layers/self_attn/o_proj/kernel': its sketch shape (2, 64, 64) equals its kernel shape, so a gradient leaf cannot tell dense from sketched; lower optimizer.logra.rank below 64"),
+    ("rank-far-above-width", dict(optimizer=dict(logra=dict(rank=100000))),
+     "(optimizer.logra.rank=100000): target 'layers/self_attn/o_proj/kernel'"),
+    ("seed-negative", dict(seed=-1), "seed must be an integer ≥ 0, got -1"),
     ("lora-targets", dict(optimizer=dict(name="lora", lora=dict(targets="no_such_layer"))),
      "optimizer.lora on this model: LoRA targets 'no_such_layer' match no parameter"),
     ("model-config-lacks-a-field",
@@ -139,7 +142,7 @@ ROWS = [
          tmp, [json.dumps(GOOD_GSM8K), b'{"question": "2\xff", "answer": "#### 4"}'])),
          gsm8k_cache_dir=str(tmp / "cache")), "train.jsonl:2: not UTF-8 text (invalid start byte"),
     ("resume-other-rank", dict(optimizer=dict(logra=dict(rank=4))),
-     "holds a run with another config: optimizer.logra.rank changed"),
+     "was trained with another config: optimizer.logra.rank 8 → 4; resume with the values"),
 ]
 # What only the model (or its tokenizer) can tell: these rows build it, in a new workdir (each
 # changes a key that the resume check of the trained workdir would refuse first).
@@ -272,6 +275,30 @@ def test_a_workdir_that_cannot_be_created_is_one_line(tmp_path):
     with pytest.raises(SystemExit) as exit_:
         train_cli.run(tiny.get_config(), str(blocker / "run"))
     assert exit_.value.code.startswith(f"error: workdir {blocker / 'run'} cannot be created")
+
+
+@pytest.mark.parametrize("fresh", [False, True], ids=["new-workdir", "fresh"])
+def test_a_bad_value_creates_and_moves_nothing(fresh, trained, tmp_path):
+    """A value refused by its rule (a negative seed: numpy's data order refuses it, 14 s in) leaves
+    a new workdir uncreated, and --fresh moves the earlier run aside only once the values pass."""
+    workdir = tmp_path / "workdir"
+    if fresh:
+        shutil.copytree(trained, workdir)
+    before = _snapshot(workdir) if fresh else None
+    with pytest.raises(SystemExit, match="^error: seed must be an integer ≥ 0, got -1$"):
+        train_cli.run(tiny_config(dict(seed=-1)), str(workdir), fresh=fresh)
+    assert (_snapshot(workdir) == before) if fresh else not workdir.exists()
+
+
+def test_a_dangling_symlink_workdir_is_called_one(tmp_path):
+    link = tmp_path / "run"
+    link.symlink_to(tmp_path / "gone")
+    with pytest.raises(SystemExit) as exit_:
+        train_cli.run(tiny.get_config(), str(link / "sub"))
+    assert exit_.value.code == (f"error: workdir {link / 'sub'}: {link} is a symbolic link to "
+                                f"{tmp_path / 'gone'}, which does not exist; create its target or "
+                                f"pass another --workdir")
+    assert not (tmp_path / "gone").exists()
 
 
 # The command line itself, checked before jax is imported: real processes, well under a second.

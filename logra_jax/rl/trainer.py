@@ -223,7 +223,11 @@ def check_with_shapes(config: ml_collections.ConfigDict) -> None:
         params = build.with_adapters(config.optimizer, Policy.params_of(model))
         jax.eval_shape(optimizer.tx.init, params[optimizer.subtree] if optimizer.subtree else params)
     except ValueError as e:   # the optimizer's own message, with the section it comes from
-        raise ValueError(f"optimizer.{config.optimizer.name} on this model: {e}") from None
+        section = f"optimizer.{config.optimizer.name}"
+        message = str(e).replace("lower rank", f"lower {section}.rank")
+        rank = config.optimizer[config.optimizer.name].get("rank")
+        given = f" ({section}.rank={rank})" if rank is not None and "rank" in message else ""
+        raise ValueError(f"{section} on this model{given}: {message}") from None
 
 
 # What `Run._steps` saves beside the arrays: the step, REINFORCE's running baseline, the data

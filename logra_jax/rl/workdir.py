@@ -44,6 +44,11 @@ def prepare(workdir: str | os.PathLike) -> pathlib.Path:
                          "checkpoints (it is created if missing)")
     path = pathlib.Path(workdir)
     try:   # exists() too raises OSError, for a name too long for the filesystem
+        for link in (path, *path.parents):   # mkdir would say "File exists" of a dangling link
+            if link.is_symlink() and not link.exists():
+                raise ValueError(f"workdir {path}: {link} is a symbolic link to "
+                                 f"{os.readlink(link)}, which does not exist; create its target "
+                                 f"or pass another --workdir")
         if path.exists() and not path.is_dir():
             raise ValueError(f"workdir {path} is a file, not a folder; pass a folder for metrics "
                              f"and checkpoints")
