@@ -12,7 +12,10 @@ deleted file) is set aside by `restore_latest`, which resumes from the newest on
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import pathlib
+import re
 from typing import Any
 
 import jax
@@ -76,11 +79,8 @@ class Checkpointer:
                                                                  meta=ocp.args.JsonSave(meta)))
                 self._manager.wait_until_finished()
         except Exception as e:  # orbax wraps the OSError of its writer threads in several kinds
-            reason = " ".join(str(e).split()) or type(e).__name__
-            if len(reason) > 400:   # orbax's path first, the OS's reason ("File too large") last
-                reason = f"{reason[:200]} … {reason[-200:]}"
             raise OSError(f"checkpoint {step} could not be written to {self.directory}: "
-                          f"{reason}") from e
+                          f"{failure_reason(e)}") from e
 
     def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
         """Restores onto the shapes, dtypes and shardings of ``abstract_state``.
@@ -104,9 +104,12 @@ class Checkpointer:
         failures = []
         for step in sorted(self.all_steps(), reverse=True):
             try:
-                state, meta = self.restore(step, abstract_state)
+                # Orbax logs the failure of a damaged folder itself; the warning or error below
+                # says the same, naming the checkpoint.
+                with _quiet(logging.FATAL):
+                    state, meta = self.restore(step, abstract_state)
             except Exception as e:  # orbax raises many kinds of error for a damaged folder
-                failures.append((step, " ".join(str(e).split())[:300] or type(e).__name__))
+                failures.append((step, self._damage(step, e)))
                 continue
             for bad, reason in failures:
                 aside = self.directory / f"{bad}.damaged"
@@ -125,6 +128,18 @@ class Checkpointer:
                              f"{step}: {reason}); if the config changed since they were written, "
                              f"resume with the original config or use a new workdir")
         return None
+
+    def _damage(self, step: int, error: BaseException) -> str:
+        """Why checkpoint ``step`` does not restore, naming the file where the error does not: a
+        JSON metadata file cut short fails with a bare "Expecting value: line 1 column 144"."""
+        reason = failure_reason(error)
+        for path in sorted((self.directory / str(step)).rglob("*")):
+            if path.name in _JSON_FILES and path.is_file() and str(path) not in reason:
+                try:
+                    json.loads(path.read_bytes())
+                except ValueError:
+                    reason = f"{path} is not valid JSON: {reason}"
+        return reason
 
     def restore_params(self, step: int, abstract_params: Any) -> Any:
         """The params of a saved ``(params, opt_state)``, whatever optimizer state was saved with
@@ -153,6 +168,40 @@ class Checkpointer:
     def close(self) -> None:
         with _quiet():
             self._manager.close()
+
+
+# The JSON files orbax writes into a checkpoint folder (its own metadata and our meta item).
+_JSON_FILES = ("_CHECKPOINT_METADATA", "_METADATA", "metadata", "_sharding")
+
+
+def _chain(error: BaseException) -> list[BaseException]:
+    """``error`` and what caused it, outermost first."""
+    chain = [error]
+    while len(chain) < 32 and (chain[-1].__cause__ or chain[-1].__context__) is not None:
+        chain.append(chain[-1].__cause__ or chain[-1].__context__)
+    return chain
+
+
+def _shorten(text: str, most: int = 400) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= most else f"{text[:most // 2]} … {text[-most // 2:]}"
+
+
+def failure_reason(error: BaseException) -> str:
+    """What went wrong, for one line: the OS's reason first when there is one ("File too large",
+    from an OSError in the chain or tensorstore's ``os_error_code``), then the innermost error's
+    message — tensorstore's names the file or database and what it found — shortened in the
+    middle (its outer wrappers add a page of TensorStore spec and nothing else)."""
+    chain = _chain(error)
+    os_reason = next((f"{x.strerror}" for x in chain if isinstance(x, OSError) and x.strerror),
+                     None)
+    if os_reason is None:
+        code = next((m for x in chain for m in re.findall(r"os_error_code='?(\d+)", str(x))), None)
+        os_reason = os.strerror(int(code)) if code else None
+    # The innermost error that says something (not a bare index or key raised in passing).
+    root = next((x for x in reversed(chain) if len(str(x).split()) > 2), error)
+    detail = _shorten(str(root)) or type(root).__name__
+    return f"{os_reason} ({detail})" if os_reason and os_reason not in detail[:80] else detail
 
 
 def _abstract(x):
