@@ -10,6 +10,7 @@ import json
 import math
 import os
 import pathlib
+import sys
 from typing import Mapping
 
 import numpy as np
@@ -33,6 +34,11 @@ def to_python(metrics: Mapping[str, object]) -> dict[str, float | int | str]:
 def read_jsonl(path: str | pathlib.Path) -> list[dict]:
     """The rows of a metrics file. A last line cut short (the run was killed mid-write) is
     dropped; a malformed line before it, or bytes that are not UTF-8, is an error naming the file."""
+    return read_jsonl_and_cut(path)[0]
+
+
+def read_jsonl_and_cut(path: str | pathlib.Path) -> tuple[list[dict], tuple[int, str] | None]:
+    """(`read_jsonl`'s rows, (line number, text) of the cut last line it dropped, or None)."""
     try:
         with open(path, encoding="utf-8") as f:
             lines = [(i, line) for i, line in enumerate(f, 1) if line.strip()]
@@ -44,13 +50,13 @@ def read_jsonl(path: str | pathlib.Path) -> list[dict]:
             row = json.loads(line)
         except json.JSONDecodeError as e:
             if n == len(lines) - 1 and not line.endswith("\n"):
-                break
+                return rows, (i, line)
             raise ValueError(f"{path}:{i}: not a JSON metrics row ({e.msg})") from None
         if not isinstance(row, dict):
             raise ValueError(f"{path}:{i}: not a JSON metrics row (a {type(row).__name__}, not an "
                              f"object)")
         rows.append(row)
-    return rows
+    return rows, None
 
 
 def rows_before(rows: list[dict], step: int) -> list[dict]:
@@ -81,8 +87,11 @@ class MetricsWriter:
             return
         self.workdir.mkdir(parents=True, exist_ok=True)
         if self.path.exists():
-            kept = "".join(json.dumps(row) + "\n" for row in rows_before(read_jsonl(self.path),
-                                                                          start_step))
+            rows, cut = read_jsonl_and_cut(self.path)
+            if cut is not None:
+                print(f"warning: {self.path}:{cut[0]}: dropped a last line cut short (a run "
+                      f"stopped mid-write): {cut[1][:60]!r}", file=sys.stderr)
+            kept = "".join(json.dumps(row) + "\n" for row in rows_before(rows, start_step))
             if kept.encode() != self.path.read_bytes():   # rows to drop, or a line cut short
                 tmp = self.path.with_name(f".{self.path.name}.tmp")
                 tmp.write_text(kept, encoding="utf-8")

@@ -97,3 +97,27 @@ def test_an_old_checkpoint_without_a_config_needs_its_config_json(copied, traine
         assert run.loop() == {}
     finally:
         run.close()
+
+
+def test_an_unfinished_checkpoint_write_is_named_in_the_refusal(tmp_path, monkeypatch):
+    """A run whose first checkpoint write failed leaves metrics rows and orbax's temporary folder
+    of that checkpoint (what a file size limit left in a real run): the refusal names the folder."""
+    monkeypatch.setattr(build, "build_model", lambda *a, **k: pytest.fail("model built"))
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    (tmp_path / "checkpoints" / "2.orbax-checkpoint-tmp" / "state").mkdir(parents=True)
+    line = _refused(tiny_config(), tmp_path)
+    assert ("but no checkpoint to resume them from (the run stopped before its first one, or "
+            "checkpoints/ was removed); 2.orbax-checkpoint-tmp in checkpoints/ is a write that did "
+            "not finish and cannot be resumed; pass --fresh") in line, line
+
+
+def test_a_dropped_cut_metrics_line_is_reported(tmp_path, capsys):
+    from logra_jax import metrics
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2, "rew')
+    metrics.MetricsWriter(tmp_path, total_steps=3, start_step=1, tensorboard=False,
+                          progress=False).close()
+    assert capsys.readouterr().err.splitlines() == [
+        f"warning: {path}:2: dropped a last line cut short (a run stopped mid-write): "
+        "'{\"step\": 2, \"rew'"]
+    assert path.read_text() == '{"step": 1}\n'

@@ -166,11 +166,15 @@ class History:
                                  f"this run aside and start over")
             return
         if self.steps:
+            unfinished = sorted((self.workdir / CHECKPOINTS).glob("*.orbax-checkpoint-tmp*"))
+            left = (f"; {', '.join(p.name for p in unfinished)} in {CHECKPOINTS}/ "
+                    f"{'is a write' if len(unfinished) == 1 else 'are writes'} that did not "
+                    f"finish and cannot be resumed" if unfinished else "")
             raise ValueError(f"{self.workdir} holds metrics of steps {self.steps[0]}–{self.steps[-1]} "
                              f"but no checkpoint to resume them from (the run stopped before its "
-                             f"first one, or {CHECKPOINTS}/ was removed); pass --fresh to move that "
-                             f"history into {self.workdir}/previous-<time>/ and start over, or use "
-                             f"another --workdir")
+                             f"first one, or {CHECKPOINTS}/ was removed){left}; pass --fresh to "
+                             f"move that history into {self.workdir}/previous-<time>/ and start "
+                             f"over, or use another --workdir")
         if changed:
             raise ValueError(f"{self.workdir} holds the config.json of a run with another config "
                              f"({', '.join(changed)} changed) and no checkpoint; pass --fresh to "
