@@ -78,6 +78,8 @@ def run(config, workdir: str, *, fresh: bool = False, verbose: bool = False) -> 
         job.close()
         fail(e)
     job.close()
+    if job.summary is not None:   # what the run did, with or without a progress bar
+        print(f"done: {job.summary}", flush=True)
 
 
 def quiet_startup() -> None:

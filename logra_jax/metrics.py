@@ -67,6 +67,11 @@ def rows_before(rows: list[dict], step: int) -> list[dict]:
     return [by_step[s] for s in sorted(by_step)]
 
 
+# What the progress bar (or, without it, each step's line) shows: (row key, label).
+PROGRESS_FIELDS = (("reward", "reward"), ("kl", "kl"), ("logra/predicted_kl", "predicted_kl"),
+                   ("time/step", "s/step"))
+
+
 class MetricsWriter:
     """Appends metrics to ``workdir/metrics.jsonl`` and TensorBoard; shows a progress bar.
 
@@ -77,14 +82,23 @@ class MetricsWriter:
     """
 
     def __init__(self, workdir: str | pathlib.Path, *, total_steps: int, start_step: int = 0,
-                 tensorboard: bool = True, progress: bool = True, files: bool = True):
+                 tensorboard: bool = True, progress: bool = True, files: bool = True,
+                 kl_measured: bool = True):
         """``files=False``: rows are only formatted and returned (every process but the first of
-        a multi-process run: one metrics.jsonl, one event file, one progress bar)."""
+        a multi-process run: one metrics.jsonl, one event file, one progress bar or step lines).
+        ``progress=False``: one line per step on stdout instead of the bar. ``kl_measured``: the
+        run computes ``kl`` (GRPO with a reference); otherwise its 0 is not shown."""
         self.workdir = pathlib.Path(workdir)
         self.path = self.workdir / "metrics.jsonl"
+        self.total_steps, self.start_step = total_steps, start_step
+        self._shown = tuple((key, label) for key, label in PROGRESS_FIELDS
+                            if kl_measured or key != "kl")
         self._file = self._tb = self._bar = None
+        self._lines = False
+        self.rows: list[dict] = []   # this run's rows, for its closing summary
         if not files:
             return
+        self._lines = not progress
         self.workdir.mkdir(parents=True, exist_ok=True)
         if self.path.exists():
             rows, cut = read_jsonl_and_cut(self.path)
@@ -113,12 +127,31 @@ class MetricsWriter:
             for name, value in row.items():
                 if name != "step" and isinstance(value, (int, float)) and math.isfinite(value):
                     self._tb.add_scalar(name, value, step)
+        shown = {label: f"{row[key]:.3g}" for key, label in self._shown
+                 if isinstance(row.get(key), (int, float))}
         if self._bar is not None:
-            shown = {k: row[k] for k in ("reward", "kl", "logra/predicted_kl", "time/step")
-                     if k in row}
-            self._bar.set_postfix({k.split("/")[-1]: f"{v:.3g}" for k, v in shown.items()})
+            self._bar.set_postfix(shown)
             self._bar.update(1)
+        if self._lines:
+            print(f"step {step}/{self.total_steps}: "
+                  + ", ".join(f"{v} {label}" if label == "s/step" else f"{label} {v}"
+                              for label, v in shown.items()), flush=True)
+        self.rows.append(row)
         return row
+
+    def summary(self) -> str | None:
+        """One line saying what this run trained: steps, reward, seconds per step, where the
+        metrics are; None when it trained nothing."""
+        if not self.rows:
+            return None
+        first, last = self.rows[0]["step"], self.rows[-1]["step"]
+        rewards = [r["reward"] for r in self.rows if isinstance(r.get("reward"), (int, float))]
+        seconds = sum(r.get("time/step", 0.0) for r in self.rows)
+        reward = (f", mean reward {sum(rewards) / len(rewards):.3g} (last {rewards[-1]:.3g})"
+                  if rewards else "")
+        where = f"; metrics in {self.path}" if self._file is not None else ""
+        return (f"trained steps {first}–{last} of {self.total_steps} in {seconds:.0f} s "
+                f"({seconds / len(self.rows):.3g} s/step){reward}{where}")
 
     def close(self) -> None:
         if self._file is not None:

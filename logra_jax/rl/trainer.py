@@ -262,6 +262,7 @@ class Run:
         self.config = config
         self._fingerprint = config_lib.fingerprint(config)   # recorded in every checkpoint
         self._lock = None
+        self.summary: str | None = None   # `loop`'s one line of what it trained (process 0)
         # What can be checked in a moment is checked before the model is built, and before
         # anything in the workdir is written.
         build.validate(config)
@@ -345,6 +346,7 @@ class Run:
         finishes the step in progress, saves a checkpoint and raises `Preempted`."""
         config, t = self.config, self.trainer
         params, opt_state, step, baseline = self._start()
+        self.summary = None
         if step >= config.max_steps:
             logging.warning("max_steps=%d is already reached: %s holds step %d; nothing to train "
                             "(raise max_steps to continue)", config.max_steps, self.workdir, step)
@@ -355,7 +357,8 @@ class Run:
         writer = metrics_lib.MetricsWriter(self.workdir, total_steps=config.max_steps, start_step=step,
                                            tensorboard=config.log.tensorboard,
                                            progress=config.log.progress,
-                                           files=distributed.is_primary())
+                                           files=distributed.is_primary(),
+                                           kl_measured=uses_reference(config.rl))
         base_rng = jax.random.PRNGKey(config.seed)
         with _StopRequest() as stop:
             try:
@@ -365,6 +368,10 @@ class Run:
                 writer.close()
         self.params, self.opt_state = params, opt_state
         self.engine = getattr(rollouts, "engine", None)
+        trained = writer.summary()
+        if trained is not None and distributed.is_primary():
+            latest = self.ckpt.latest_step()
+            self.summary = f"{trained}; checkpoint {latest} in {self.ckpt.directory}"
         if stopped:
             signum = stop.signum or signal.SIGTERM  # another process was the one signalled
             how = (f"by {signal.Signals(signum).name}" if stop.signum else
