@@ -56,6 +56,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from logra_jax.models.linear import WEIGHTS_MAJOR, Linear, sketch_tangent, times_factor_t
 from logra_jax.optim import (DEFAULT_TARGETS, SketchSpec, TargetInfo, exact_kl, make_predict_kl,
                              merge_targets, split_targets)
+from logra_jax.optim import update_index as logra_update_index
+from logra_jax.optim.logra import sketch_spec_of
 from logra_jax.projections import KernelLayout, projection
 from logra_jax.tree_paths import leaves_with_paths, map_with_paths
 
@@ -511,9 +513,33 @@ class NNXSketch:
                              f"was prepared for ({sorted(self.targets)}) or have other shapes")
         return found
 
+    def check(self, tx) -> None:
+        """ValueError unless ``tx`` — a transformation, or the ``nnx.Optimizer`` holding it — was
+        made by ``logra(...)`` with this sketch's arguments (`logra_kwargs`): another seed, rank,
+        distribution, refresh, targets or layouts would reconstruct every update with another A
+        than the one the gradients were sketched with, silently."""
+        tx = getattr(tx, "tx", tx)
+        theirs = sketch_spec_of(tx)
+        if theirs is None:
+            raise ValueError("this optimizer was not made by logra_jax.optim.logra(...), so it "
+                             "cannot reconstruct this sketch's gradients; build it with "
+                             "logra(..., **sketch.logra_kwargs())")
+        ours = self.spec
+        differ = [f"{f.name}={getattr(theirs, f.name)!r} (the sketch's: {getattr(ours, f.name)!r})"
+                  for f in dataclasses.fields(SketchSpec)
+                  if getattr(theirs, f.name) != getattr(ours, f.name)]
+        if differ:
+            raise ValueError(f"logra(...) was built with {'; '.join(differ)}: it would "
+                             f"reconstruct the updates with another A than the gradients were "
+                             f"sketched with; pass **sketch.logra_kwargs() unchanged")
+
     def keys(self, update_index) -> dict[str, jax.Array]:
         """{target path: key data (*stack, 2) of A_l(k)} for the gradient after ``update_index``
-        updates (``update_index(opt_state)``)."""
+        updates (``update_index(opt_state)``, or the ``nnx.Optimizer`` itself: then its
+        transformation is first `check`ed against this sketch)."""
+        if isinstance(update_index, nnx.Optimizer):
+            self.check(update_index)
+            update_index = logra_update_index(update_index.opt_state)
         k = self.spec.projection_index(_index(update_index))
         return {path: self.spec.keys(t.info, k) for path, t in self.targets.items()}
 
@@ -546,7 +572,9 @@ class NNXSketch:
         computed, with ``train_others=False``: the KL variant's frozen others). Sketches of
         micro-batches add up like gradients. Feed it to ``nnx.Optimizer(model, tx,
         wrt=nnx.Param).update`` or, as ``nnx.to_pure_dict(grads)``, to ``tx.update``.
-        ``update_index`` is ``update_index(opt_state)``: the k of A the next update will use.
+        ``update_index`` is ``update_index(opt_state)``, the k of A the next update will use, or
+        the ``nnx.Optimizer`` itself, whose LoGRA transformation is then checked to draw the same
+        A as this sketch (`check`: another seed or rank in ``logra(...)`` is an error).
         Other state the loss changes (RNG counters, batch statistics) is written back as
         ``nnx.value_and_grad`` does.
         """
@@ -643,6 +671,22 @@ class NNXSketch:
         return fns
 
 
+def _refuse_explicit_axes(kernel, path: str) -> None:
+    """The probes and sketches are laid out with ``with_sharding_constraint``, which takes Auto
+    mesh axes only: a kernel on Explicit axes (``jax.make_mesh``'s default) would fail at the
+    first gradient, deep inside it. Refused here, in one line saying what to pass."""
+    mesh = getattr(getattr(kernel, "sharding", None), "mesh", None)
+    if mesh is None or isinstance(kernel, jax.core.Tracer):
+        mesh = jax.sharding.get_abstract_mesh()   # inside jax.set_mesh, or abstract arrays
+    types = dict(zip(getattr(mesh, "axis_names", ()), getattr(mesh, "axis_types", ())))
+    explicit = [name for name, kind in types.items() if kind == jax.sharding.AxisType.Explicit]
+    if explicit:
+        raise ValueError(
+            f"target {path!r} is on a mesh with Explicit axes {explicit} (jax.make_mesh's "
+            f"default); nnx_sketch lays its probes out on Auto axes: make the mesh with "
+            f"jax.make_mesh(..., axis_types=(jax.sharding.AxisType.Auto,) * {len(types)})")
+
+
 def prepare(model, *, targets: str = DEFAULT_TARGETS, rank: int = 256, seed: int = 42,
             distribution: str = "rademacher", refresh: bool = True) -> NNXSketch:
     """Finds ``model``'s targets (params whose '/'-joined path matches ``targets``) and checks that
@@ -660,6 +704,8 @@ def prepare(model, *, targets: str = DEFAULT_TARGETS, rank: int = 256, seed: int
     spec = dataclasses.replace(spec, layouts={p: t.layout for p, (_, t) in found.items()
                                               if t.layout is not None})
     kernels = {"/".join(map(str, p)): v for p, v in _param_paths(model)}
+    for path in found:
+        _refuse_explicit_axes(kernels[path].get_value(), path)
     shardings = {}
     for path, (_, t) in found.items():
         sharding = _sketch_sharding(kernels[path].get_value(), t.info)
@@ -668,4 +714,5 @@ def prepare(model, *, targets: str = DEFAULT_TARGETS, rank: int = 256, seed: int
     return NNXSketch(spec, {p: t for p, (_, t) in found.items()}, shardings)
 
 
-__all__ = ["NNXSketch", "Probe", "SketchFactor", "SketchKey", "Target", "prepare", "register"]
+__all__ = ["DEFAULT_TARGETS", "NNXSketch", "Probe", "SketchFactor", "SketchKey", "Target", "prepare",
+           "register"]

@@ -11,11 +11,12 @@ CPU devices). (c), a few LoGRA steps that lower a loss, is docs/optax_api.md's e
 """
 
 import functools
-
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding
@@ -459,3 +460,49 @@ def test_probes_sketches_and_moments_are_laid_out_like_the_kernels(sharded):
     assert specs["layers/attn/query/kernel"] == P(None, "tensor")    # (layers, heads·head_dim)
     assert specs["layers/attn/out/kernel"] == P(None, "tensor")      # (layers, d)
     assert specs["top/kv/kernel"] == P("tensor")                     # C·K·H: C over tensor
+
+
+def test_default_targets_is_importable_from_the_module_the_docs_use():
+    from logra_jax import optim
+    from logra_jax.nnx_sketch import DEFAULT_TARGETS
+    assert DEFAULT_TARGETS == optim.DEFAULT_TARGETS and "DEFAULT_TARGETS" in nnx_sketch.__all__
+
+
+def _small_lm():
+    return FlaxLM(vocab=16, d=32, f=64, heads=2, num_layers=2, rngs=nnx.Rngs(0))
+
+
+def test_an_optimizer_built_with_other_sketch_arguments_is_an_error():
+    """logra(**sketch.logra_kwargs()) with one argument changed would reconstruct every update
+    with another A than the gradients were sketched with: the gradient call refuses it (given the
+    nnx.Optimizer) and `check` names the argument; the same arguments pass."""
+    model = _small_lm()
+    sketch = nnx_sketch.prepare(model, **SKETCH)
+    good = nnx.Optimizer(model, logra(learning_rate=1e-2, **sketch.logra_kwargs()), wrt=nnx.Param)
+    keys = sketch.keys(good)                       # checked, then k of its state: 0
+    assert all(np.array_equal(keys[p], k) for p, k in sketch.keys(0).items())
+    for change, named in [(dict(seed=SKETCH["seed"] + 1), "seed=4 (the sketch's: 3)"),
+                          (dict(rank=8), "rank=8 (the sketch's: 16)"),
+                          (dict(layouts={}), "layouts=() (the sketch's: ((")]:
+        bad = logra(learning_rate=1e-2, **{**sketch.logra_kwargs(), **change})
+        with pytest.raises(ValueError, match=re.escape(named)):
+            sketch.check(bad)
+    with pytest.raises(ValueError, match="pass \\*\\*sketch.logra_kwargs\\(\\) unchanged"):
+        good.tx = bad   # as if built with the other seed
+        sketch.value_and_grad(next_token_loss)(model, good, jnp.zeros((2, 9), jnp.int32))
+    with pytest.raises(ValueError, match="not made by logra_jax.optim.logra"):
+        sketch.check(optax.adamw(1e-3))
+
+
+def test_a_mesh_with_explicit_axes_is_refused_at_prepare():
+    """jax.make_mesh's default axes are Explicit; the first gradient used to fail deep inside
+    (`with_sharding_constraint can only refer to Auto axes`)."""
+    model = _small_lm()
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    params = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, P())), params)
+    with pytest.raises(ValueError, match=re.escape(
+            "is on a mesh with Explicit axes ['data'] (jax.make_mesh's default); nnx_sketch lays "
+            "its probes out on Auto axes: make the mesh with jax.make_mesh(..., "
+            "axis_types=(jax.sharding.AxisType.Auto,) * 1)")):
+        nnx_sketch.prepare(nnx.merge(graphdef, params, rest), **SKETCH)

@@ -11,6 +11,7 @@ from its state (``update_index``, ``logra_metrics``).
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import jax
@@ -219,7 +220,25 @@ def logra(*, variant: str = "grpo",
         parts.append(scale_by_predicted_kl(kl_budget, kl_budget_final, kl_budget_horizon,
                                            alpha_max, mismatch_weight, kl_safeguard, kl_correction))
     parts.append(wrap)
-    return _scalars_on_params_mesh(skip_nonfinite(optax.chain(*parts)))
+    tx = _scalars_on_params_mesh(skip_nonfinite(optax.chain(*parts)))
+    _SPECS[tx.update] = spec
+    return tx
+
+
+# The SketchSpec of each transformation `logra` made (keyed by its update function, which lives as
+# long as the transformation), so that gradients sketched elsewhere — logra_jax.nnx_sketch — can
+# be checked to draw the same A as the optimizer that reconstructs them.
+_SPECS: "weakref.WeakKeyDictionary[Any, SketchSpec]" = weakref.WeakKeyDictionary()
+
+
+def sketch_spec_of(tx) -> SketchSpec | None:
+    """The SketchSpec (targets, rank, seed, distribution, refresh, layouts) of a transformation
+    made by `logra`; None for any other."""
+    update = getattr(tx, "update", None)
+    try:
+        return _SPECS.get(update)
+    except TypeError:   # not weak-referenceable: not ours
+        return None
 
 
 def _scalars_on_params_mesh(tx: optax.GradientTransformationExtraArgs):
