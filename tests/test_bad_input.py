@@ -142,7 +142,7 @@ ROWS = [
          tmp, [json.dumps(GOOD_GSM8K), b'{"question": "2\xff", "answer": "#### 4"}'])),
          gsm8k_cache_dir=str(tmp / "cache")), "train.jsonl:2: not UTF-8 text (invalid start byte"),
     ("resume-other-rank", dict(optimizer=dict(logra=dict(rank=4))),
-     "was trained with another config: optimizer.logra.rank 8 → 4; resume with the values"),
+     "holds a run with another config: optimizer.logra.rank changed"),
 ]
 # What only the model (or its tokenizer) can tell: these rows build it, in a new workdir (each
 # changes a key that the resume check of the trained workdir would refuse first).

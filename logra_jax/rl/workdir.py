@@ -147,7 +147,12 @@ class History:
         (a damaged one is left to the restore, which sets it aside)."""
         changed = self.changes(config)
         path = self.workdir / CONFIG
-        if checkpoints:
+        if checkpoints and changed:
+            raise ValueError(f"{self.workdir} holds a run with another config: "
+                             f"{', '.join(changed)} changed (see {path}); resume with the "
+                             f"original values, start a new workdir, or pass --fresh to set "
+                             f"this run aside and start over")
+        if checkpoints:   # config.json matches, or is gone: the checkpoints' own record decides
             for step in sorted(checkpoints, reverse=True):
                 check_checkpoint_config(checkpoints[step], self.workdir / CHECKPOINTS / str(step),
                                         config)
@@ -158,12 +163,6 @@ class History:
                                  f"gone, so nothing tells whether this config continues it; put "
                                  f"back the config.json it was trained with, or pass --fresh to "
                                  f"set this run aside and start over")
-        if checkpoints:
-            if changed:
-                raise ValueError(f"{self.workdir} holds a run with another config: "
-                                 f"{', '.join(changed)} changed (see {path}); resume with the "
-                                 f"original values, start a new workdir, or pass --fresh to set "
-                                 f"this run aside and start over")
             return
         if self.steps:
             unfinished = sorted((self.workdir / CHECKPOINTS).glob("*.orbax-checkpoint-tmp*"))
