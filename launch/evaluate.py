@@ -94,7 +94,7 @@ def main(argv):
     pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eos_id
     sampler = Sampler(policy, max_prompt_length=_PROMPT_LEN.value,
                       max_completion_length=_COMPLETION_LEN.value, eos_ids=[tokenizer.eos_id],
-                      pad_id=pad_id)
+                      pad_id=pad_id, decode_weights=config.rl.decode_weights)
     sharding = sharding_lib.batch_sharding(mesh, _BATCH.value)
     weights = {"initial": (0, params)} if _INITIAL.value else {}
     for label, workdir in runs.items():
