@@ -1,14 +1,26 @@
-"""Import only what a command uses: each entry point with the data sources' libraries made
-unimportable, in a fresh process (sys.modules of this one already holds them)."""
+"""The project installs as declared on the machines users have.
+
+Pins that cannot contradict each other: every jax pyproject.toml admits has an admitted flax known
+to import with it (logra_jax/versions.py holds the evidence), the extras' pinned pairs are known
+good and inside the ranges, and the installed pair is one of them.
+
+Import only what a command uses: each entry point with the data sources' libraries made
+unimportable, in a fresh process (sys.modules of this one already holds them).
+"""
 
 import ast
+import importlib.metadata
 import json
 import pathlib
 import subprocess
 import sys
 import textwrap
+import tomllib
 
 import pytest
+from packaging.requirements import Requirement
+
+from logra_jax import versions
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 GSM8K, TASKS = "tensorflow_datasets", "reasoning_gym"
@@ -25,6 +37,79 @@ _REFUSE = textwrap.dedent("""
     sys.meta_path.insert(0, Refuse())
     sys.argv[1:] = []
 """)
+
+
+def _requirements(names=("jax", "flax")) -> dict[str, dict[str, Requirement]]:
+    """{"dependencies" or an extra's name: {package: its Requirement}} for ``names``."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    groups = {"dependencies": project["dependencies"], **project["optional-dependencies"]}
+    return {group: {r.name: r for r in map(Requirement, lines) if r.name in names}
+            for group, lines in groups.items()}
+
+
+def test_every_admitted_jax_has_an_admitted_flax_known_to_work():
+    deps = _requirements()["dependencies"]
+    assert versions.contradictions(str(deps["jax"].specifier), str(deps["flax"].specifier)) == []
+
+
+def test_the_check_sees_flax_0_12_8_pinned_beside_a_jax_range_that_reaches_0_11():
+    """The pins this project shipped: jax>=0.10.2,<0.12 with flax==0.12.8. flax 0.12.8's own
+    metadata admits jax 0.11.2, so pip installs that pair; the check must refuse the pins."""
+    (problem,) = versions.contradictions(">=0.10.2,<0.12", "==0.12.8")
+    assert problem.startswith("jax 0.11 is admitted") and "older than 0.12.10" in problem
+    assert "jax 0.12" in " ".join(versions.contradictions(">=0.10.2", ">=0.12.8"))  # no evidence
+    assert versions.broken_pair("0.11.2", "0.12.8") and not versions.broken_pair("0.11.2", "0.12.10")
+    if importlib.metadata.version("flax") == "0.12.8":   # what pip reads: no bound above
+        (jax_req,) = [r for r in map(Requirement, importlib.metadata.requires("flax"))
+                      if r.name == "jax" and not r.marker]
+        assert jax_req.specifier.contains("0.11.2")
+
+
+def test_the_extras_pin_known_good_pairs_inside_the_ranges():
+    groups = _requirements()
+    ranges = groups.pop("dependencies")
+    assert groups["cuda"]["jax"].extras == {"cuda12"}
+    for group, pinned in groups.items():
+        exact = {name: next(iter(r.specifier)).version for name, r in pinned.items()
+                 if len(r.specifier) == 1 and next(iter(r.specifier)).operator == "=="}
+        for name, version in exact.items():
+            assert ranges[name].specifier.contains(version), (group, name, version)
+        if len(exact) == 2:
+            assert versions.broken_pair(exact["jax"], exact["flax"]) is None, group
+            assert versions._minor(exact["jax"]) in versions.FIRST_FLAX, group
+
+
+def test_the_installed_pair_is_admitted_and_known_good():
+    ranges = _requirements()["dependencies"]
+    installed = {name: importlib.metadata.version(name) for name in ("jax", "flax")}
+    for name, version in installed.items():
+        assert ranges[name].specifier.contains(version), (name, version)
+    flax_wants = [r for r in map(Requirement, importlib.metadata.requires("flax"))
+                  if r.name == "jax" and not r.marker]
+    assert all(r.specifier.contains(installed["jax"]) for r in flax_wants), flax_wants
+    assert versions.broken_pair(installed["jax"], installed["flax"]) is None
+
+
+@pytest.mark.parametrize("flax, refused", [("0.12.8", True), ("0.12.10", False)])
+def test_importing_logra_jax_refuses_a_known_broken_pair(flax, refused):
+    """With jax 0.11.2 and flax 0.12.8 installed (as their metadata says: faked here), `import
+    logra_jax` stops with one error line naming the pair and the install that fixes it, before
+    flax's AttributeError; flax 0.12.10 imports."""
+    code = textwrap.dedent(f"""
+        import importlib.metadata as metadata
+        fake = {{"jax": "0.11.2", "flax": {flax!r}}}
+        real = metadata.version
+        metadata.version = lambda name: fake.get(name) or real(name)
+        import logra_jax
+        """)
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert (done.returncode != 0) == refused, done.stderr[-2000:]
+    if refused:
+        assert done.stderr.splitlines()[-1] == (
+            "ImportError: error: flax 0.12.8 does not work with jax 0.11.2: jax 0.11 needs flax "
+            f">= 0.12.10 ({versions.FIRST_FLAX[(0, 11)].evidence}). Install a flax that does, "
+            "keeping this jax: pip install 'flax>=0.12.10,<0.13' (docs/gpu.md)")
 
 
 # Imported by a command in the branch that reads that source alone; a run's test reads one.
