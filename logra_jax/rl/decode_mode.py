@@ -22,8 +22,9 @@ from typing import Callable
 
 MODES = ("stacked", "per_layer")   # a tie goes to the first: no second copy of the weights
 DECODE_STEPS = 4    # per mode and round: enough to see the step, cheap on a test's tiny model
-ROUNDS = 1          # rounds alternate the modes (a slow spell of a shared host hits both); each
-                    # costs 2 calls per mode, and a run measures once: 1 keeps a test's trainer cheap
+ROUNDS = 3          # the best of 3 rounds, each alternating the modes: a slow spell of a shared
+                    # host hits both (one round alone put a ~30 ms call at 118 ms on a loaded
+                    # 2-core CPU); a round is 4 calls of a few decode steps
 
 
 # The pick where nothing runs: a program lowered only to be compiled (a TPU slice's or a GPU's
@@ -59,4 +60,5 @@ def describe(mode: str, seconds: dict[str, float], what: str) -> str:
     """The one line a measured choice is logged with."""
     timings = ", ".join(f"{m} {seconds[m] * 1e3:.1f} ms" for m in MODES)
     return (f"decode_weights=auto: {mode} for {what} (measured: {timings} per call, from "
-            f"a call stopped after its first token and one after {DECODE_STEPS} decode steps more)")
+            f"the best of {ROUNDS} rounds of a call stopped after its first token and one "
+            f"{DECODE_STEPS} decode steps longer)")

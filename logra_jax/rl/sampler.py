@@ -183,10 +183,10 @@ class Sampler:
         the two where it runs, measured on the first call of each input signature (both
         programs, a few decode steps on that call's own inputs; `decode_mode`), kept for later
         calls, and logged in one line. Where nothing runs (``_generate.lower``: a plan compiled
-        for another machine; a call traced inside another jit) "auto" is `decode_mode.unmeasured`,
-        logged as not measured. The default here is "per_layer", measured the faster on XLA:CPU
-        at batches 1–64 and on one H200 at batch 1; it keeps a bare Sampler (tests, tools) to
-        the one program its caller asked for.
+        for another machine; a call traced inside another jit) "auto" is stacked
+        (`decode_mode.UNMEASURED`), logged as not measured. The default here is "per_layer",
+        measured the faster on XLA:CPU at batches 1–64 and on one H200 at batch 1: a bare
+        Sampler (tests, tools) compiles the one program its caller asked for.
       rows_per_pass: 0 (default) generates the whole batch in one pass. n > 0 generates it n rows at
         a time, one pass after the other inside the same program, so the KV cache and the decode's
         activations hold n rows (``rl.rollout_micro_batch``; what lets a 70B rollout batch of 128
@@ -297,8 +297,8 @@ class Sampler:
         return mode, seconds
 
     def _unmeasured(self, leaves, why: str) -> str:
-        """The fixed mode; for "auto" `decode_mode.unmeasured` on the platform ``leaves`` are
-        placed on, logged with ``why``."""
+        """The fixed mode; for "auto" `decode_mode.UNMEASURED`, logged with the platform ``leaves``
+        are placed on and ``why``."""
         if self.per_layer_decode is not None:
             return "per_layer" if self.per_layer_decode else "stacked"
         logging.info("decode_weights=auto: %s on %s, not measured (%s)", decode_mode.UNMEASURED,
@@ -331,7 +331,7 @@ class Sampler:
         ``limit``: draw at most this many tokens (an int32 scalar: the decode-mode measurement
         runs the call's own program for a few steps); None: max_completion_length. ``per_layer``:
         the decode mode; None (a program lowered without `generate`): the fixed mode, or for
-        "auto" `decode_mode.unmeasured`."""
+        "auto" `decode_mode.UNMEASURED`."""
         if per_layer is None:
             per_layer = self._unmeasured(jax.tree.leaves((params, prompt_tokens, prompt_mask)),
                                          "lowered without running: a compile-only plan; a run "
