@@ -45,17 +45,19 @@ flags.mark_flags_as_required(["config"])
 
 def questions(config, data: str):
     """(name, examples, instruction) of the evaluation set."""
-    from logra_jax.data import DEFAULT_INSTRUCTION, load_gsm8k, make_task_source
+    from logra_jax.data import DEFAULT_INSTRUCTION
     d = config.data
     if data == "gsm8k":
         folder = _GSM8K_DIR.value or d.gsm8k_dir
         if not folder:
             raise ValueError("--data gsm8k needs --gsm8k_dir (a folder with test.jsonl) or "
                              "data.gsm8k_dir in the config")
+        from logra_jax.data.gsm8k import load_gsm8k   # tensorflow_datasets: GSM8K's alone
         source = load_gsm8k(folder, "test", cache_dir=d.gsm8k_cache_dir or None)
         name, instruction = "gsm8k test", DEFAULT_INSTRUCTION
     else:
         seed = _TASK_SEED.value if _TASK_SEED.value is not None else d.task_seed + 1
+        from logra_jax.data.tasks import make_task_source   # reasoning_gym: the tasks' alone
         source = make_task_source(d.task, size=_NUM.value, seed=seed, **dict(d.task_kwargs))
         name, instruction = f"{d.task} seed {seed}", d.instruction or None
     if _NUM.value > len(source):
@@ -92,7 +94,7 @@ def main(argv):
     pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eos_id
     sampler = Sampler(policy, max_prompt_length=_PROMPT_LEN.value,
                       max_completion_length=_COMPLETION_LEN.value, eos_ids=[tokenizer.eos_id],
-                      pad_id=pad_id)
+                      pad_id=pad_id, decode_weights=config.rl.decode_weights)
     sharding = sharding_lib.batch_sharding(mesh, _BATCH.value)
     weights = {"initial": (0, params)} if _INITIAL.value else {}
     for label, workdir in runs.items():

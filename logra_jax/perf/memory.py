@@ -322,11 +322,12 @@ class RolloutMemory:
 
 
 def rollout_step_memory(config: ml_collections.ConfigDict, mesh: Mesh, *,
-                        decode_weights: str = "stacked") -> RolloutMemory:
+                        decode_weights: str | None = None) -> RolloutMemory:
     """Compiles the sampler's ``generate`` for ``config``'s rollout batch (prompts_per_step ×
     num_generations rows, the prompt window plus the completion length of cache) on ``mesh``, with
-    bf16 weights placed by their logical axes; no arrays. ``decode_weights`` as `Sampler`'s:
-    "stacked" is what an accelerator runs ("auto" would pick by the backend compiling, CPU here)."""
+    bf16 weights placed by their logical axes; no arrays. ``decode_weights`` as `Sampler`'s, default
+    ``rl.decode_weights``: nothing runs here, so "auto" plans stacked and logs that it did not
+    measure (`decode_mode.UNMEASURED`)."""
     model_config = model_shapes.model_config_from(config.model)
     model = abstract_model(model_config)
     policy = Policy(model, lora_scale=build.lora_scale(config.optimizer))
@@ -335,7 +336,8 @@ def rollout_step_memory(config: ml_collections.ConfigDict, mesh: Mesh, *,
     rows = config.data.prompts_per_step * rl.num_generations
     sampler = Sampler(policy, max_prompt_length=rl.max_prompt_length,
                       max_completion_length=rl.max_completion_length, eos_ids=[0], pad_id=0,
-                      decode_weights=decode_weights, rows_per_pass=rl.rollout_micro_batch)
+                      decode_weights=decode_weights or rl.decode_weights,
+                      rows_per_pass=rl.rollout_micro_batch)
     on_rows = sharding_lib.batch_sharding(mesh, rows)
     replicated = NamedSharding(mesh, P())
     tokens = jax.ShapeDtypeStruct((rows, rl.max_prompt_length), jnp.int32, sharding=on_rows)

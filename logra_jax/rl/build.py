@@ -36,7 +36,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from logra_jax import config as config_lib
 from logra_jax import model_shapes
 from logra_jax import sharding as sharding_lib
-from logra_jax.data import PromptIterator, load_gsm8k, make_task_source
+from logra_jax.data import PromptIterator
 from logra_jax.models import Decoder, ModelConfig, from_pretrained, gguf_loader, hf_loader
 from logra_jax.optim import SketchSpec, logra, variant_defaults, warmup_constant
 from logra_jax.optim.baselines import adafactor_baseline, adamw_baseline, galore_baseline
@@ -150,13 +150,17 @@ def build_model_config(cfg: ml_collections.ConfigDict) -> ModelConfig | None:
 
 
 def build_prompt_source(cfg: ml_collections.ConfigDict):
-    """The examples ``config.data`` names (a reasoning-gym task, or local GSM8K files)."""
+    """The examples ``config.data`` names (a reasoning-gym task, or local GSM8K files). Each
+    source's module is imported here, in its own branch: reasoning_gym and tensorflow_datasets are
+    heavy, and a run needs only the one it reads."""
     if cfg.source == "task":
+        from logra_jax.data.tasks import make_task_source
         return make_task_source(cfg.task, size=cfg.size, seed=cfg.task_seed, **dict(cfg.task_kwargs))
     if cfg.source == "gsm8k":
         if not cfg.gsm8k_dir:
             raise ValueError("data.source='gsm8k' needs data.gsm8k_dir: a folder with train.jsonl and "
                              "test.jsonl (nothing is downloaded)")
+        from logra_jax.data.gsm8k import load_gsm8k
         return load_gsm8k(cfg.gsm8k_dir, cfg.split, cache_dir=cfg.gsm8k_cache_dir or None)
     raise ValueError(f"data.source must be 'task' or 'gsm8k', got {cfg.source!r}")
 

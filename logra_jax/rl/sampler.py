@@ -19,13 +19,17 @@ number of chips.
 from __future__ import annotations
 
 import dataclasses
+import math
+import time
 from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 
 from logra_jax.projections import check_counter_range, hash_positions
+from logra_jax.rl import decode_mode
 from logra_jax.rl.policy import Policy
 from logra_jax.sharding import mesh_of
 
@@ -150,6 +154,16 @@ def filter_logits(logits: jax.Array, top_k: int, top_p: float) -> jax.Array:
     return logits
 
 
+def _platform(leaves) -> str:
+    """The platform of the first placed array (or ShapeDtypeStruct) of ``leaves``, else JAX's
+    default backend: "cpu", "gpu", "tpu"."""
+    for x in leaves:
+        sharding = getattr(x, "sharding", None)
+        if sharding is not None:
+            return next(iter(sharding.device_set)).platform
+    return jax.default_backend()
+
+
 class Sampler:
     """Generates completions for a model whose weights change between calls.
 
@@ -165,7 +179,14 @@ class Sampler:
         backend copies a scanned layer's weights out of the stack before every dot, so a stacked
         decode step moves each weight three times (measured 1.3× faster per_layer at batch 16 on
         SmolLM2, docs/results/sampler.md); the price is a second copy of the layer weights while
-        sampling, and a longer compile. "auto" (default): per_layer on CPU, stacked elsewhere.
+        sampling, and a longer compile. "auto" (``rl.decode_weights``' default): the faster of
+        the two where it runs, measured on the first call of each input signature (both
+        programs, a few decode steps on that call's own inputs; `decode_mode`), kept for later
+        calls, and logged in one line. Where nothing runs (``_generate.lower``: a plan compiled
+        for another machine; a call traced inside another jit) "auto" is stacked
+        (`decode_mode.UNMEASURED`), logged as not measured. The default here is "per_layer",
+        measured the faster on XLA:CPU at batches 1–64 and on one H200 at batch 1: a bare
+        Sampler (tests, tools) compiles the one program its caller asked for.
       rows_per_pass: 0 (default) generates the whole batch in one pass. n > 0 generates it n rows at
         a time, one pass after the other inside the same program, so the KV cache and the decode's
         activations hold n rows (``rl.rollout_micro_batch``; what lets a 70B rollout batch of 128
@@ -180,7 +201,7 @@ class Sampler:
     DECODE_WEIGHTS = ("auto", "per_layer", "stacked")
 
     def __init__(self, policy: Policy, *, max_prompt_length: int, max_completion_length: int,
-                 eos_ids: Sequence[int], pad_id: int, decode_weights: str = "auto",
+                 eos_ids: Sequence[int], pad_id: int, decode_weights: str = "per_layer",
                  rows_per_pass: int = 0):
         if max_prompt_length <= 0 or max_completion_length <= 0:
             raise ValueError("max_prompt_length and max_completion_length must be positive, got "
@@ -192,9 +213,10 @@ class Sampler:
                              f"{decode_weights!r}")
         if rows_per_pass < 0:
             raise ValueError(f"rows_per_pass must be 0 (one pass) or positive, got {rows_per_pass}")
-        if decode_weights == "auto":
-            decode_weights = "per_layer" if jax.default_backend() == "cpu" else "stacked"
-        self.per_layer_decode = decode_weights == "per_layer"
+        self.decode_weights = decode_weights
+        # True / False for a fixed mode; None for "auto", decided per input signature:
+        self.per_layer_decode = None if decode_weights == "auto" else decode_weights == "per_layer"
+        self.measured: dict[tuple, tuple[str, dict[str, float]]] = {}   # signature → (mode, seconds)
         self.policy = policy
         self.max_prompt_length = max_prompt_length
         self.max_completion_length = max_completion_length
@@ -202,7 +224,7 @@ class Sampler:
         self.pad_id = int(pad_id)
         self.rows_per_pass = int(rows_per_pass)
         self._generate = jax.jit(self._generate_impl,
-                                 static_argnames=("top_k", "top_p", "greedy", "mesh"))
+                                 static_argnames=("top_k", "top_p", "greedy", "mesh", "per_layer"))
 
     def generate(self, params, prompt_tokens, prompt_mask, rng, *, temperature: float = 1.0,
                  top_p: float = 1.0, top_k: int = 0, greedy: bool = False) -> SampleOutput:
@@ -217,9 +239,71 @@ class Sampler:
         if self.rows_per_pass and prompt_tokens.shape[0] % self.rows_per_pass:
             raise ValueError(f"a batch of {prompt_tokens.shape[0]} rows does not split into passes "
                              f"of rows_per_pass={self.rows_per_pass}; make it a divisor")
-        return self._generate(params, jnp.asarray(prompt_tokens), jnp.asarray(prompt_mask), rng,
-                              jnp.float32(temperature), top_k=int(top_k), top_p=float(top_p),
-                              greedy=bool(greedy), mesh=self.mesh_of(params, prompt_tokens))
+        args = (params, jnp.asarray(prompt_tokens), jnp.asarray(prompt_mask), rng,
+                jnp.float32(temperature))
+        static = dict(top_k=int(top_k), top_p=float(top_p), greedy=bool(greedy),
+                      mesh=self.mesh_of(params, prompt_tokens))
+        per_layer = self._decode_mode(args, static) == "per_layer"
+        return self._generate(*args, jnp.int32(self.max_completion_length), per_layer=per_layer,
+                              **static)
+
+    def _decode_mode(self, args, static) -> str:
+        """"stacked" or "per_layer" for a call of ``args``: the fixed mode, else the one measured
+        faster for this signature (shapes, dtypes, placements), measured on its first call."""
+        leaves = jax.tree.leaves(args)
+        if self.per_layer_decode is not None or any(isinstance(x, jax.core.Tracer) for x in leaves):
+            return self._unmeasured(leaves, "a call traced inside another jit: nothing to time")
+        signature = tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves)
+        if signature not in self.measured:
+            self.measured[signature] = self._measure(args, static)
+        return self.measured[signature][0]
+
+    def _measure(self, args, static) -> tuple[str, dict[str, float]]:
+        """Times both decode programs on ``args`` (`decode_mode.estimate`; each compiled by a
+        first call, not timed) and returns (the faster, the estimated seconds of each). A mode
+        that does not fit the device's memory counts as infinitely slow. Every process of a
+        multi-process run takes process 0's pick: they must all run the same program."""
+        too_big = {}
+
+        def call(mode, limit):
+            jax.block_until_ready(self._generate(*args, jnp.int32(limit),
+                                                 per_layer=mode == "per_layer", **static))
+
+        def time_call(mode, limit):
+            if mode in too_big:
+                return math.inf
+            tic = time.perf_counter()
+            call(mode, limit)
+            return time.perf_counter() - tic
+
+        for mode in decode_mode.MODES:
+            try:
+                call(mode, 1)
+            except jax.errors.JaxRuntimeError as e:   # XLA refused it, or could not allocate it
+                if "RESOURCE_EXHAUSTED" not in str(e) or len(too_big) == len(decode_mode.MODES) - 1:
+                    raise
+                too_big[mode] = e
+        seconds = decode_mode.estimate(time_call, self.max_completion_length)
+        mode = decode_mode.pick(seconds)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            index = multihost_utils.broadcast_one_to_all(np.int32(decode_mode.MODES.index(mode)))
+            mode = decode_mode.MODES[int(index)]
+        if jax.process_index() == 0:
+            rows, prompt = args[1].shape
+            logging.info(decode_mode.describe(
+                mode, seconds, f"{rows} rows × ({prompt} + {self.max_completion_length}) tokens "
+                f"on {_platform(jax.tree.leaves(args))}"))
+        return mode, seconds
+
+    def _unmeasured(self, leaves, why: str) -> str:
+        """The fixed mode; for "auto" `decode_mode.UNMEASURED`, logged with the platform ``leaves``
+        are placed on and ``why``."""
+        if self.per_layer_decode is not None:
+            return "per_layer" if self.per_layer_decode else "stacked"
+        logging.info("decode_weights=auto: %s on %s, not measured (%s)", decode_mode.UNMEASURED,
+                     _platform(leaves), why)
+        return decode_mode.UNMEASURED
 
     @staticmethod
     def mesh_of(params, prompt_tokens):
@@ -239,27 +323,41 @@ class Sampler:
         out = self.generate(params, tokens, mask, rng, **kwargs)
         return decode_completions(tokenizer, np.asarray(out.tokens), np.asarray(out.mask), self.eos_ids)
 
-    def _generate_impl(self, params, prompt_tokens, prompt_mask, rng, temperature, *,
-                       top_k: int, top_p: float, greedy: bool, mesh=None) -> SampleOutput:
-        """The whole batch, traced with the params' ``mesh`` in context (``shard_batch``)."""
+    def _generate_impl(self, params, prompt_tokens, prompt_mask, rng, temperature, limit=None, *,
+                       top_k: int, top_p: float, greedy: bool, mesh=None,
+                       per_layer: bool | None = None) -> SampleOutput:
+        """The whole batch, traced with the params' ``mesh`` in context (``shard_batch``).
+
+        ``limit``: draw at most this many tokens (an int32 scalar: the decode-mode measurement
+        runs the call's own program for a few steps); None: max_completion_length. ``per_layer``:
+        the decode mode; None (a program lowered without `generate`): the fixed mode, or for
+        "auto" `decode_mode.UNMEASURED`."""
+        if per_layer is None:
+            per_layer = self._unmeasured(jax.tree.leaves((params, prompt_tokens, prompt_mask)),
+                                         "lowered without running: a compile-only plan; a run "
+                                         "measures both and may pick per_layer, which holds a "
+                                         "second copy of the layer weights while sampling"
+                                         ) == "per_layer"
+        kwargs = dict(top_k=top_k, top_p=top_p, greedy=greedy, limit=limit, per_layer=per_layer)
         if mesh is None:
             return self._generate_batch(params, prompt_tokens, prompt_mask, rng, temperature,
-                                        top_k=top_k, top_p=top_p, greedy=greedy)
+                                        **kwargs)
         with jax.sharding.use_abstract_mesh(mesh):
             return self._generate_batch(params, prompt_tokens, prompt_mask, rng, temperature,
-                                        top_k=top_k, top_p=top_p, greedy=greedy)
+                                        **kwargs)
 
     def _generate_batch(self, params, prompt_tokens, prompt_mask, rng, temperature, *,
-                        top_k: int, top_p: float, greedy: bool) -> SampleOutput:
+                        top_k: int, top_p: float, greedy: bool, limit, per_layer: bool) -> SampleOutput:
         """Every row, in one pass or ``rows_per_pass`` at a time."""
         batch = prompt_tokens.shape[0]
         check_counter_range((batch, self.policy.bind(params).config.vocab_size))
         rows = jnp.arange(batch, dtype=jnp.int32)
         per_pass = self.rows_per_pass or batch
         passes = batch // per_pass
+        kwargs = dict(top_k=top_k, top_p=top_p, greedy=greedy, limit=limit, per_layer=per_layer)
         if passes == 1:
             return self._generate_rows(params, prompt_tokens, prompt_mask, rows, rng, temperature,
-                                       top_k=top_k, top_p=top_p, greedy=greedy)
+                                       **kwargs)
 
         def split(x):   # [batch, …] → [passes, per_pass, …]; pass j holds rows j, j + passes, …
             return jnp.swapaxes(x.reshape(per_pass, passes, *x.shape[1:]), 0, 1)
@@ -267,13 +365,13 @@ class Sampler:
         def one_pass(_, part):
             tokens, mask, part_rows = part
             return None, self._generate_rows(params, tokens, mask, part_rows, rng, temperature,
-                                             top_k=top_k, top_p=top_p, greedy=greedy)
+                                             **kwargs)
 
         _, out = jax.lax.scan(one_pass, None, (split(prompt_tokens), split(prompt_mask), split(rows)))
         return jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1).reshape(batch, *x.shape[2:]), out)
 
     def _generate_rows(self, params, prompt_tokens, prompt_mask, rows, rng, temperature, *,
-                       top_k: int, top_p: float, greedy: bool) -> SampleOutput:
+                       top_k: int, top_p: float, greedy: bool, limit, per_layer: bool) -> SampleOutput:
         """One pass over ``rows`` of the batch: prefill, then decode until every row has ended."""
         model = self.policy.bind(params)
         probes = self.policy.probes(params)   # LoRA adapters, if the params hold any
@@ -291,7 +389,7 @@ class Sampler:
                               cache=cache, return_hidden=True, probes=probes, prefill=True)
         last_logits = model.vocab_major_logits(hidden[:, -1])
         layers = None
-        if self.per_layer_decode:   # once per call: every decode step reads these arrays in place
+        if per_layer:   # once per call: every decode step reads these arrays in place
             layers, cache = model.unstacked_layers(), cache.unstacked()
         eos = jnp.asarray(self.eos_ids, jnp.int32)
 
@@ -321,9 +419,11 @@ class Sampler:
             done = done | jnp.isin(token, eos)
             return step, cache, done, position, key, tokens, logprobs, mask, token, valid
 
+        last = steps if limit is None else jnp.minimum(steps, limit)
+
         def cond(carry):
             step, _, done = carry[:3]
-            return (step + 1 < steps) & ~jnp.all(done)
+            return (step + 1 < last) & ~jnp.all(done)
 
         def body(carry):
             """The forward pass of the last drawn tokens, then the next draw from its logits."""
