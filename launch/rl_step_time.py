@@ -63,10 +63,10 @@ def prepare(config, steps: int, prompts: str, reference_batch: bool):
     if model_shapes.is_shape_source(config.model.source):
         config.model.source = (model_shapes.RANDOM_PREFIX
                                + config.model.source[len(model_shapes.SHAPE_PREFIX):])
+    if reference_batch:   # before the prompts: the reference batch names its data (GSM8K)
+        base.use_reference_batch(config, micro_batch_size=jax.device_count())
     if prompts == "sums":
         config.data.source = "sums"
-    if reference_batch:
-        base.use_reference_batch(config, micro_batch_size=jax.device_count())
     config.checkpoint.every = steps
     config.log.update(progress=False, tensorboard=False, sample_every=0)
     return config

@@ -217,3 +217,22 @@ def test_gpu_bundle_holds_the_tree_and_the_tokenizer_header_within_64_mib(tmp_pa
     header = tmp_path / "logra_jax" / "bundle" / "smollm2_header.gguf"
     meta = gguf_loader.gguf_metadata(header)
     assert len(meta["tokenizer.ggml.tokens"]) == gguf_loader.smollm2_tokenizer().vocab_size
+
+
+def test_rl_step_time_runs_a_shape_config_with_random_weights_and_the_reference_batch():
+    """launch.rl_step_time's config: configs/qwen2_5_1_5b.py's shape becomes random:, the prompts
+    the dependency-free sums, and --reference_batch the reference's 16 × 8 rows of 512 + 1536
+    tokens, one row per device per micro-step — a config the loop accepts."""
+    from configs import qwen2_5_1_5b
+    from launch.rl_step_time import prepare
+    config = prepare(qwen2_5_1_5b.get_config(), 3, "sums", True)
+    assert config.model.source == "random:qwen2_5_1_5b"
+    assert config.data.source == "sums" and config.max_steps == 3
+    data, rl = base.REFERENCE_BATCH
+    assert config.data.prompts_per_step == data["prompts_per_step"]
+    assert (config.rl.num_generations, config.rl.max_prompt_length,
+            config.rl.max_completion_length) == (rl["num_generations"], rl["max_prompt_length"],
+                                                 rl["max_completion_length"])
+    assert config.rl.micro_batch_size == jax.device_count()
+    build.validate(config)
+    assert build.build_model_config(config.model).hidden_size == 1536
