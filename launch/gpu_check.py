@@ -344,6 +344,21 @@ def memory_rows(result: dict) -> list[str]:
             predicted = _gib(m.get("predicted_peak"))
         rows.append(f"| {opt} | {measured} | {predicted} | {plan_cell('plan_gpu', opt)} | "
                     f"{plan_cell('plan_cpu', opt)} |")
+
+    def ratio(logra, adamw, adamw_needs):
+        """LoGRA's figure over AdamW's; over what AdamW needs (a bound: ≤) where it did not fit."""
+        b, bound = (adamw, "") if isinstance(adamw, (int, float)) else (adamw_needs, "≤ ")
+        return (f"{bound}{logra / b:.3f}" if isinstance(logra, (int, float))
+                and isinstance(b, (int, float)) and b else "–")
+    lo, ad = memory.get("logra", {}), memory.get("adamw", {})
+    gpu, cpu = plans["plan_gpu"] or {}, plans["plan_cpu"] or {}
+    cells = [ratio(lo.get("peak_bytes_in_use"), ad.get("peak_bytes_in_use"), ad.get("needs_bytes")),
+             ratio(lo.get("predicted_peak"), ad.get("predicted_peak"), ad.get("needs_bytes")),
+             ratio(gpu.get("peak", {}).get("logra"), gpu.get("peak", {}).get("adamw"),
+                   gpu.get("refused", {}).get("adamw")),
+             ratio(cpu.get("peak", {}).get("logra"), cpu.get("peak", {}).get("adamw"),
+                   cpu.get("refused", {}).get("adamw"))]
+    rows.append("| logra / adamw | " + " | ".join(cells) + " |")
     return rows
 
 
