@@ -36,6 +36,7 @@ import datetime
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import time
@@ -58,6 +59,7 @@ _PLAN_TARGET = flags.DEFINE_string("plan_target", None, "launch.memory --target 
 PARTS = ("memory", "plan", "time", "sampler", "rl")   # and versions, always first
 OPTIMIZERS = ("logra", "adamw")
 MEM_FRACTION = "0.95"
+RL_WORKDIR = "rl_run"
 GIB = 2**30
 
 # The 7B update of the GPU memory table, on one device (configs/qwen2_5_7b_gsm8k.py lays it out for
@@ -202,8 +204,9 @@ def build_parts(size: Size, selected, memory_budget, plan_target, on_gpu: bool) 
         parts.append(Part("sampler", [py, "-m", "launch.sampler_bench", *size.sampler_args,
                                       "--jsonl", "sampler.jsonl"], size.limits["sampler"]))
     if "rl" in selected:
+        # The run's own workdir: a part cut short still leaves the steps it logged.
         parts.append(Part("rl", [py, "-m", "launch.rl_step_time", *size.rl_args, "--json",
-                                 "rl.json"], size.limits["rl"]))
+                                 "rl.json", "--workdir", RL_WORKDIR], size.limits["rl"]))
     return parts
 
 
@@ -246,6 +249,13 @@ def _last_json_line(path: pathlib.Path):
         return json.loads(lines[-1]) if lines else None
     except ValueError:
         return None
+
+
+def _read_jsonl(path: pathlib.Path) -> list:
+    try:
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except (OSError, ValueError):
+        return []
 
 
 def _why(part: Part, out: pathlib.Path) -> str:
@@ -296,6 +306,11 @@ def collect(parts: list[Part], out: pathlib.Path) -> dict:
             result["sampler"]["why"] = _why(by_name["sampler"], out)
     if "rl" in by_name:
         result["rl"] = _read_json(out / "rl.json") or {"absent": _why(by_name["rl"], out)}
+        if "absent" in result["rl"]:   # the per-phase seconds of the steps that did finish
+            result["rl"]["logged_steps"] = [
+                {k: v for k, v in row.items() if k == "step" or k.startswith("time/")}
+                for row in _read_jsonl(out / RL_WORKDIR / "metrics.jsonl")]
+        shutil.rmtree(out / RL_WORKDIR / "checkpoints", ignore_errors=True)   # GBs at 1.5B
     return result
 
 
@@ -416,6 +431,11 @@ def markdown(result: dict, when: str) -> str:
         lines += ["## Seconds per RL step", ""]
         if "absent" in rl:
             lines += [f"absent ({rl['absent']})", ""]
+            for row in rl.get("logged_steps", []):   # what the trainer logged before the cut
+                lines.append(f"- step {row.get('step')}: " + ", ".join(
+                    f"{k.removeprefix('time/')} {v:.2f} s" for k, v in row.items()
+                    if k.startswith("time/")))
+            lines.append("")
         else:
             lines += [f"{rl['model']}, {rl['optimizer']}: {rl['rows']} rows of "
                       f"{rl['prompt_window']} + ≤ {rl['max_completion_length']} tokens per step, "
@@ -473,7 +493,8 @@ def main(argv):
                                      _PLAN_TARGET.value or plan_target_for(device_kind),
                                      on_gpu=backend == "gpu")
     for part in parts:   # the parts write their JSON beside their logs
-        part.argv = [str(out / a) if a.endswith((".json", ".jsonl")) else a for a in part.argv]
+        part.argv = [str(out / a) if a.endswith((".json", ".jsonl")) or a == RL_WORKDIR else a
+                     for a in part.argv]
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     tic = versions.started
     run_parts(parts[1:], out, _BUDGET.value - versions.seconds, base_env)
