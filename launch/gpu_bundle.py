@@ -32,6 +32,8 @@ On the GPU machine (its own CUDA jax and flax; no registry needed), from this fo
 
     python3 -m pip install --no-index --no-deps --target bundle/site bundle/wheels/*.whl
     make gpu-check PYTHON=python3          # or: GPU_CHECK_OUT=/some/dir make gpu-check ...
+    # without make, the same:
+    LOGRA_TOKENIZER_GGUF=$PWD/{header} PYTHONPATH=$PWD/bundle/site python3 -m launch.gpu_check
 
 `make gpu-check` adds bundle/site to PYTHONPATH and reads the tokenizer from {header}
 (LOGRA_TOKENIZER_GGUF). It writes runs/gpu_check/gpu_check.md and gpu_check.json. docs/gpu.md

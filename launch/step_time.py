@@ -82,7 +82,6 @@ import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
-import re  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -347,32 +346,6 @@ def _stderr_copied(into: list):
             into.append(text)
 
 
-# XLA's own statements of what a program needs, most specific first: the rematerialization pass's
-# "...; only reduced to 167.29GiB" (the whole program), then an allocator's "Out of memory while
-# trying to allocate 80.10GiB" (one buffer: a lower bound).
-_XLA_NEEDS = (re.compile(r"only reduced to ([0-9.]+)\s*([KMGT]i?B)"),
-              re.compile(r"trying to allocate ([0-9.]+)\s*([KMGT]i?B)"))
-_UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
-
-
-def xla_needs(text: str) -> tuple[int, str] | None:
-    """(bytes, XLA's sentence) of the first statement of ``_XLA_NEEDS`` in ``text``, else None."""
-    for pattern in _XLA_NEEDS:
-        match = pattern.search(text)
-        if match:
-            line = next(line for line in text.splitlines() if match.group(0) in line)
-            return int(float(match.group(1)) * _UNITS[match.group(2)[0]]), line.strip()
-    return None
-
-
-def planned_peak(analysis) -> int:
-    """The peak bytes of one device by XLA's ``memory_analysis()`` of a compiled program: its
-    arguments and outputs (less what the outputs alias: donated params and optimizer state) and
-    its temporaries."""
-    return (analysis.argument_size_in_bytes + analysis.output_size_in_bytes
-            - analysis.alias_size_in_bytes + analysis.temp_size_in_bytes)
-
-
 def _does_not_fit(result: dict, needs: int, why: str) -> dict:
     return dict(result, fits=False, needs_bytes=needs, why=why,
                 message=f"does not fit: needs {needs / GIB:.2f} GiB ({why})")
@@ -387,6 +360,7 @@ def peak_memory(config, optimizer: str, budget_gib: float | None = None) -> dict
     weights to running the update): then the figure is the one XLA states in its message or log."""
     import jax
     from logra_jax import model_shapes
+    from logra_jax.perf import oom
     from logra_jax.rl.build import build_mesh
 
     config.optimizer.name = optimizer
@@ -404,10 +378,10 @@ def peak_memory(config, optimizer: str, budget_gib: float | None = None) -> dict
         with _stderr_copied(logs):
             compiled = update.jitted(params, opt_state).lower(params, opt_state, batch).compile()
         result["compile_seconds"] = time.perf_counter() - tic
-        predicted = planned_peak(compiled.memory_analysis())
+        predicted = oom.planned_peak(compiled.memory_analysis())
         result["predicted_peak"] = predicted
         if limit is not None and predicted > limit:
-            stated = xla_needs("".join(logs))
+            stated = oom.xla_needs("".join(logs))
             why = (f"XLA:{jax.default_backend().upper()}'s plan of the update, "
                    f"{jax.devices()[0].device_kind}; the limit is {limit / GIB:.2f} GiB, "
                    f"{limit_source}")
@@ -421,7 +395,7 @@ def peak_memory(config, optimizer: str, budget_gib: float | None = None) -> dict
     except Exception as e:   # XLA's refusal is a result; anything else is not
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
-        stated = xla_needs("".join(logs) + "\n" + str(e))
+        stated = oom.xla_needs("".join(logs) + "\n" + str(e))
         first = str(e).strip().splitlines()[0]
         if stated is None:
             return dict(result, fits=False, needs_bytes=None, why=first,
