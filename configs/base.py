@@ -63,11 +63,14 @@ def get_config() -> ml_collections.ConfigDict:
 
     c.model = ml_collections.ConfigDict(dict(
         source="smollm2-135m-instruct",   # or a local HF folder, a .gguf file, "tiny" (random),
-                                          # or "shape:<name>" (no weights; launch.memory only)
+                                          # "shape:<name>" (no weights; launch.memory only), or
+                                          # "random:<name>": a shape of logra_jax/model_shapes.py
+                                          # with weights drawn from init_seed and SmolLM2's
+                                          # tokenizer ($LOGRA_TOKENIZER_GGUF: a GGUF or its header)
         dtype="float32",                  # compute dtype
         param_dtype="float32",            # master weights
         remat=False,
-        init_seed=0,                      # random init of source="tiny"
+        init_seed=0,                      # random init of source="tiny" and "random:<name>"
         tiny=ml_collections.ConfigDict(dict(
             hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
             intermediate_size=128, rope_theta=10000.0, rms_norm_eps=1e-5, qkv_bias=False,
@@ -78,6 +81,7 @@ def get_config() -> ml_collections.ConfigDict:
 
     c.data = ml_collections.ConfigDict(dict(
         source="task",                    # "task" (reasoning-gym, offline) | "gsm8k" (local JSONL)
+                                          # | "sums" ("What is a + b?", no package; size, task_seed)
         task="chain_sum",
         task_kwargs=ml_collections.ConfigDict(dict(min_terms=2, max_terms=2, min_digits=1,
                                                    max_digits=1)),

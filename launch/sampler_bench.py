@@ -57,6 +57,7 @@ def _host_devices(argv) -> int:
 
 simulate_host_devices(_host_devices(sys.argv[1:]))  # before jax is imported
 
+import json  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 
@@ -72,6 +73,8 @@ _COMPLETION = flags.DEFINE_integer("completion_length", 32, "Sampled tokens per 
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed calls per cell, after one warm-up.")
 _DECODE = flags.DEFINE_list("decode_weights", ["auto"],
                             "Sampler decode_weights to compare: auto, per_layer, stacked.")
+_JSONL = flags.DEFINE_string("jsonl", None, "Also append each row, as soon as it is measured, to "
+                             "this file (one JSON object per line: a run cut short keeps its rows).")
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"],
                            "Weights, compute and the measured matmul rate (bf16 on a GPU).")
 
@@ -244,6 +247,18 @@ def main(argv):
                                            bandwidth, shared_host=True)
                 floor = f"{1e3 * dots:>8.1f} {limit / (prefill + _COMPLETION.value * dots):>5.2f}"
             for mode in modes:
+                if _JSONL.value:
+                    with open(_JSONL.value, "a") as f:
+                        f.write(json.dumps(dict(
+                            devices=devices, batch=batch, decode_weights=mode, seconds=seconds[mode],
+                            tokens_per_second=batch * _COMPLETION.value / seconds[mode],
+                            roofline_seconds=limit, achieved_over_roofline=limit / seconds[mode],
+                            time_over_first=seconds[mode] / seconds[modes[0]],
+                            model=config.model.source, dtype=_DTYPE.value,
+                            prompt_length=_PROMPT.value, completion_length=_COMPLETION.value,
+                            matmul_flops_per_second=flops, copy_bytes_per_second=bandwidth,
+                            backend=jax.default_backend(), device_kind=jax.devices()[0].device_kind))
+                                + "\n")
                 ratio = f" {seconds[mode] / seconds[modes[0]]:>10.3f}" if len(modes) > 1 else ""
                 print(f"{devices:>7} {batch:>5} {mode:>9} {seconds[mode]:>8.2f} "
                       f"{batch * _COMPLETION.value / seconds[mode]:>9.1f} {limit:>10.2f} "

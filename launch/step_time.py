@@ -62,7 +62,12 @@ device cannot be reset):
     python -m launch.step_time --config configs/qwen2_5_1_5b.py --peak_memory --optimizer logra
 
 runs one update of the config's model shape with random weights and prints one JSON line with the
-device's ``peak_bytes_in_use`` next to XLA's ahead-of-time prediction for the same program.
+device's ``peak_bytes_in_use`` next to XLA's ahead-of-time prediction for the same program. The
+update is compiled first: when XLA's plan needs more than the device may hold (its allocator's
+``bytes_limit``, or ``--memory_budget_gib``: on a CPU, which has no limit of its own, XLA:CPU's
+plan is judged against that budget) the update is not run and the line before the JSON says
+``<optimizer>: does not fit: needs X GiB (...)``, X being XLA's figure; so does a
+RESOURCE_EXHAUSTED from XLA itself, with the figure its message or log states.
 """
 
 import sys
@@ -73,9 +78,12 @@ from launch import cpu_model, paired_ratio, simulate_host_devices  # noqa: E402
 
 simulate_host_devices(1)
 
+import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
+import os  # noqa: E402
 import statistics  # noqa: E402
+import tempfile  # noqa: E402
 import time  # noqa: E402
 
 from absl import app, flags  # noqa: E402
@@ -88,6 +96,10 @@ _PEAK = flags.DEFINE_bool("peak_memory", False, "Measure one update's peak devic
 _COUNT = flags.DEFINE_bool("count_ops", False, "Print the matmul operations of --config's update, "
                            "LoGRA vs AdamW, from shapes alone.")
 _OPTIMIZER = flags.DEFINE_enum("optimizer", "logra", ["logra", "adamw"], "For --peak_memory.")
+_BUDGET = flags.DEFINE_float("memory_budget_gib", None, "For --peak_memory: the GiB one device may "
+                             "hold (default: the device's own limit; a CPU has none). An update "
+                             "whose compiled plan needs more is reported as `does not fit` and "
+                             "not run.")
 _WIDTHS = flags.DEFINE_list("widths", ["512", "1024", "2048"], "Model widths d to time.")
 _LAYERS = flags.DEFINE_integer("layers", 2, "Decoder layers.")
 _ROWS = flags.DEFINE_integer("rows", 8, "Sequences per update (one micro-batch).")
@@ -102,6 +114,8 @@ _EXACT = flags.DEFINE_bool("exact_merge", False, "Also time LoGRA with the order
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype.")
 _MICRO = flags.DEFINE_integer("micro_steps", 1, "Micro-batches of --rows per update.")
 _VOCAB = flags.DEFINE_integer("vocab", 8192, "Vocabulary size (the head's width).")
+_JSON = flags.DEFINE_string("json", None, "Also write the timing table (one entry per width) to "
+                            "this JSON file.")
 _PROFILE = flags.DEFINE_bool("profile", False, "Profile one update of each optimizer per width "
                              "and print where its wall time goes (instead of timing).")
 
@@ -298,29 +312,99 @@ def time_merge(widths, layers, rank, repeats):
     return results
 
 
-def peak_memory(config, optimizer: str) -> dict:
-    """One real update of ``config``'s model: device peak bytes vs XLA's prediction (per device)."""
+GIB = 2**30
+
+
+def device_limit(device, budget_gib: float | None) -> tuple[int | None, str]:
+    """(bytes one device may hold, where that figure comes from): ``budget_gib`` when given, else
+    the allocator's ``bytes_limit`` (on a GPU: XLA_PYTHON_CLIENT_MEM_FRACTION of its memory); a
+    CPU reports none."""
+    if budget_gib is not None:
+        return int(budget_gib * GIB), f"--memory_budget_gib {budget_gib:g}"
+    limit = (device.memory_stats() or {}).get("bytes_limit")
+    return (int(limit), "the device's bytes_limit") if limit else (None, "none (this device reports no limit)")
+
+
+@contextlib.contextmanager
+def _stderr_copied(into: list):
+    """Runs the block with file descriptor 2 (where XLA's C++ logs go) sent to a temporary file,
+    then writes that text to the real stderr and appends it to ``into``: XLA states what a program
+    needs ("only reduced to 167.29GiB") in a log line, not in the exception."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as log:
+        os.dup2(log.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            log.seek(0)
+            text = log.read().decode("utf-8", "replace")
+            sys.stderr.write(text)
+            into.append(text)
+
+
+def _does_not_fit(result: dict, needs: int, why: str) -> dict:
+    return dict(result, fits=False, needs_bytes=needs, why=why,
+                message=f"does not fit: needs {needs / GIB:.2f} GiB ({why})")
+
+
+def peak_memory(config, optimizer: str, budget_gib: float | None = None) -> dict:
+    """One real update of ``config``'s model: device peak bytes vs XLA's prediction (per device).
+
+    The update is compiled first; when XLA's plan of it needs more than the device may hold
+    (`device_limit`) it is not run, and the result says ``does not fit: needs X GiB`` with XLA's
+    figure — as it does when XLA itself refuses (RESOURCE_EXHAUSTED, anywhere from building the
+    weights to running the update): then the figure is the one XLA states in its message or log."""
     import jax
     from logra_jax import model_shapes
+    from logra_jax.perf import oom
     from logra_jax.rl.build import build_mesh
 
     config.optimizer.name = optimizer
     mesh = build_mesh(dict(config.mesh), jax.devices(), spare_devices=True)
-    model_config = model_shapes.model_config_from(config.model)
-    update, params, opt_state, batch = build(config, model_config, mesh)
-    predicted = update.jitted(params, opt_state).lower(params, opt_state, batch).compile().memory_analysis()
-    tic = time.perf_counter()
-    params, opt_state, metrics = update(params, opt_state, batch)
-    jax.block_until_ready((params, opt_state, metrics))
-    seconds = time.perf_counter() - tic
+    limit, limit_source = device_limit(mesh.devices.flat[0], budget_gib)
+    result = {"optimizer": optimizer, "model": config.model.source, "devices": mesh.size,
+              "backend": jax.default_backend(), "device_kind": mesh.devices.flat[0].device_kind,
+              "limit_bytes": limit, "limit_source": limit_source}
+    logs: list[str] = []
+    try:
+        model_config = model_shapes.model_config_from(config.model)
+        update, params, opt_state, batch = build(config, model_config, mesh)
+        result["params"] = sum(x.size for x in jax.tree.leaves(params))
+        tic = time.perf_counter()
+        with _stderr_copied(logs):
+            compiled = update.jitted(params, opt_state).lower(params, opt_state, batch).compile()
+        result["compile_seconds"] = time.perf_counter() - tic
+        predicted = oom.planned_peak(compiled.memory_analysis())
+        result["predicted_peak"] = predicted
+        if limit is not None and predicted > limit:
+            stated = oom.xla_needs("".join(logs))
+            why = (f"XLA:{jax.default_backend().upper()}'s plan of the update, "
+                   f"{jax.devices()[0].device_kind}; the limit is {limit / GIB:.2f} GiB, "
+                   f"{limit_source}")
+            if stated:
+                why += f"; XLA's log: {stated[1]}"
+            return _does_not_fit(result, predicted, why)
+        tic = time.perf_counter()   # the program just compiled (a second compile of 7B: minutes)
+        params, opt_state, metrics = compiled(params, opt_state, batch)
+        jax.block_until_ready((params, opt_state, metrics))
+        result["first_update_seconds"] = time.perf_counter() - tic
+    except Exception as e:   # XLA's refusal is a result; anything else is not
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        stated = oom.xla_needs("".join(logs) + "\n" + str(e))
+        first = str(e).strip().splitlines()[0]
+        if stated is None:
+            return dict(result, fits=False, needs_bytes=None, why=first,
+                        message=f"does not fit: XLA refused it without a figure ({first})")
+        return _does_not_fit(result, stated[0], f"XLA refused it: {stated[1]}")
     stats = [d.memory_stats() or {} for d in mesh.devices.flat]
-    peak = max(s.get("peak_bytes_in_use", 0) for s in stats)
-    return {"optimizer": optimizer, "model": config.model.source, "devices": mesh.size,
-            "params": sum(x.size for x in jax.tree.leaves(params)),
-            "peak_bytes_in_use": peak,
-            "predicted_peak": (predicted.argument_size_in_bytes + predicted.output_size_in_bytes
-                               - predicted.alias_size_in_bytes + predicted.temp_size_in_bytes),
-            "first_update_seconds": seconds, "backend": jax.default_backend()}
+    peaks = [s["peak_bytes_in_use"] for s in stats if "peak_bytes_in_use" in s]
+    # A CPU keeps no allocator statistics: no measured peak there, only XLA's prediction.
+    return dict(result, fits=True, peak_bytes_in_use=max(peaks) if peaks else None)
 
 
 def _ratio(a: float, b: float) -> float:
@@ -374,10 +458,15 @@ def main(argv):
     if _PEAK.value:
         if _CONFIG.value is None:
             sys.exit("error: --peak_memory needs --config")
+        if _BUDGET.value is not None and not _BUDGET.value > 0:
+            sys.exit(f"error: --memory_budget_gib must be > 0, got {_BUDGET.value}")
         try:
-            print(json.dumps(peak_memory(_CONFIG.value, _OPTIMIZER.value)))
+            result = peak_memory(_CONFIG.value, _OPTIMIZER.value, _BUDGET.value)
         except (ValueError, FileNotFoundError) as e:
             sys.exit(f"error: {e}")
+        if not result["fits"]:
+            print(f"{result['optimizer']}: {result['message']}")
+        print(json.dumps(result))   # the last line: one JSON object
         return
     try:
         widths = [int(w) for w in _WIDTHS.value]
@@ -440,6 +529,15 @@ def main(argv):
               f"{ms['logra'] / ms['adamw']:>11.3f} {median:>7.3f} {f'{low:.3f}–{high:.3f}':>11} "
               f"{flops['logra'] / 1e9:>12.1f} {flops['adamw'] / 1e9:>12.1f} "
               f"{_ratio(flops['logra'], flops['adamw']):>11.3f}" + exact)
+    if _JSON.value:
+        with open(_JSON.value, "w") as f:
+            json.dump({"backend": jax.default_backend(), "device_kind": jax.devices()[0].device_kind,
+                       "dtype": _DTYPE.value, "layers": _LAYERS.value, "rows": _ROWS.value,
+                       "tokens": _PROMPT.value + _COMPLETION.value, "micro_steps": _MICRO.value,
+                       "rank": _RANK.value, "vocab": _VOCAB.value, "repeats": _REPEATS.value,
+                       "widths": [{"width": width, "params": n_params, "ms": ms, "flops": flops,
+                                   "paired": {k: list(v) for k, v in paired.items()}}
+                                  for width, n_params, ms, flops, paired in results]}, f, indent=1)
     width, _, ms, flops, paired = results[-1]
     print(f"at width {width}: logra/adamw time ratio {ms['logra'] / ms['adamw']:.3f} (paired "
           f"{paired['logra'][0]:.3f}), FLOP ratio {_ratio(flops['logra'], flops['adamw']):.3f} "

@@ -201,7 +201,7 @@ MODEL_DTYPES = ("float32", "bfloat16")                      # models.config.DTYP
 DISTRIBUTIONS = ("rademacher", "gaussian", "rademacher_threefry")   # projections.DISTRIBUTIONS
 ROUNDINGS = ("nearest", "stochastic")                       # optim.rounding.ROUNDINGS
 GALORE_PROJECTORS = ("svd", "randomized")                   # optim.galore.PROJECTORS
-DATA_SOURCES = ("task", "gsm8k")
+DATA_SOURCES = ("task", "gsm8k", "sums")
 
 _ADAM = {"b1": DECAY, "b2": DECAY, "eps": POSITIVE, "weight_decay": NONNEGATIVE,
          "max_grad_norm": NONNEGATIVE_OR_INF}   # max_grad_norm 0 or inf: no clipping

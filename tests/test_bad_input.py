@@ -126,7 +126,7 @@ ROWS = [
     ("factors-replayed-inexact", dict(sync=dict(mode="factors", rollout_devices=4),
                                       optimizer=dict(logra=dict(exact_merge=False))),
      "needs optimizer.logra.exact_merge=True"),
-    ("data-source", dict(data=dict(source="csv")), "data.source must be one of 'task', 'gsm8k', got 'csv'"),
+    ("data-source", dict(data=dict(source="csv")), "data.source must be one of 'task', 'gsm8k', 'sums', got 'csv'"),
     ("task", dict(data=dict(task="no_such_task")), "no_such_task"),
     ("gsm8k-no-dir", dict(data=dict(source="gsm8k")), "needs data.gsm8k_dir"),
     ("gsm8k-missing-dir", dict(data=dict(source="gsm8k", gsm8k_dir="/no/such/dir")),

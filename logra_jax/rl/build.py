@@ -103,7 +103,8 @@ def build_mesh(axes, devices=None, *, spare_devices: bool = False) -> Mesh:
 
 
 def build_model(cfg: ml_collections.ConfigDict, mesh: Mesh | None):
-    """(model, tokenizer). ``source="tiny"`` is a random small decoder with SmolLM2's tokenizer.
+    """(model, tokenizer). ``source="tiny"`` is a random small decoder with SmolLM2's tokenizer,
+    ``"random:<shape>"`` a published shape (model_shapes.py) with random weights and that tokenizer.
     Without a mesh the weights stay on the default device (export, tools)."""
     if model_shapes.is_shape_source(cfg.source):
         raise ValueError(f"model.source={cfg.source!r} is a model shape without weights, for "
@@ -115,9 +116,29 @@ def build_model(cfg: ml_collections.ConfigDict, mesh: Mesh | None):
                                    param_dtype=cfg.param_dtype, remat=cfg.remat, **dict(cfg.tiny))
         model = Decoder(model_config, rngs=nnx.Rngs(cfg.init_seed))
         return (model if mesh is None else sharding_lib.shard_model(model, mesh)), tokenizer
+    if model_shapes.is_random_source(cfg.source):
+        model_config = model_shapes.model_config_from(cfg)   # an unknown shape: its error first
+        return random_model(model_config, cfg.init_seed, mesh), gguf_loader.smollm2_tokenizer()
     with _naming_the_source(cfg):
         return from_pretrained(cfg.source, mesh=mesh, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
                                remat=cfg.remat)
+
+
+def random_model(model_config: ModelConfig, seed: int, mesh: Mesh | None) -> Decoder:
+    """A Decoder of ``model_config`` with the random weights of ``nnx.Rngs(seed)``, initialised
+    directly into its shards on ``mesh`` (a published shape never sits whole on one device first)."""
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Decoder(model_config, rngs=nnx.Rngs(0))))
+
+    def place(variable):   # each Variable's sharding, by its logical axes (as shard_model's)
+        shape = variable.get_value().shape
+        axes = sharding_lib.get_logical_axes(variable) or (None,) * len(shape)
+        return sharding_lib.logical_sharding(axes, mesh, None, shape)
+    shardings = None if mesh is None else jax.tree.map(
+        place, abstract, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+    def init():
+        return nnx.state(Decoder(model_config, rngs=nnx.Rngs(seed)))
+    return nnx.merge(graphdef, jax.jit(init, out_shardings=shardings)())
 
 
 @contextlib.contextmanager
@@ -139,7 +160,8 @@ def build_model_config(cfg: ml_collections.ConfigDict) -> ModelConfig | None:
     them before the model is built. Errors as `build_model`'s. None for a GGUF file (its header
     holds the vocabulary: reading it costs as much as the 5 s the model build spends on it again)
     or a source that is neither, which `build_model` reports."""
-    if cfg.source == "tiny" or model_shapes.is_shape_source(cfg.source):
+    if (cfg.source == "tiny" or model_shapes.is_shape_source(cfg.source)
+            or model_shapes.is_random_source(cfg.source)):
         return model_shapes.model_config_from(cfg)
     config_file = pathlib.Path(cfg.source) / "config.json"
     if not config_file.is_file():
@@ -150,19 +172,22 @@ def build_model_config(cfg: ml_collections.ConfigDict) -> ModelConfig | None:
 
 
 def build_prompt_source(cfg: ml_collections.ConfigDict):
-    """The examples ``config.data`` names (a reasoning-gym task, or local GSM8K files). Each
-    source's module is imported here, in its own branch: reasoning_gym and tensorflow_datasets are
-    heavy, and a run needs only the one it reads."""
+    """The examples ``config.data`` names (a reasoning-gym task, local GSM8K files, or seeded
+    two-number sums that need no package). Each source's module is imported here, in its own
+    branch: reasoning_gym and tensorflow_datasets are heavy, and a run needs only the one it reads."""
     if cfg.source == "task":
         from logra_jax.data.tasks import make_task_source
         return make_task_source(cfg.task, size=cfg.size, seed=cfg.task_seed, **dict(cfg.task_kwargs))
+    if cfg.source == "sums":   # no dependency: the loop's speed on a machine without either
+        from logra_jax.data.sums import SumsSource
+        return SumsSource(cfg.size, cfg.task_seed)
     if cfg.source == "gsm8k":
         if not cfg.gsm8k_dir:
             raise ValueError("data.source='gsm8k' needs data.gsm8k_dir: a folder with train.jsonl and "
                              "test.jsonl (nothing is downloaded)")
         from logra_jax.data.gsm8k import load_gsm8k
         return load_gsm8k(cfg.gsm8k_dir, cfg.split, cache_dir=cfg.gsm8k_cache_dir or None)
-    raise ValueError(f"data.source must be 'task' or 'gsm8k', got {cfg.source!r}")
+    raise ValueError(f"data.source must be 'task', 'gsm8k' or 'sums', got {cfg.source!r}")
 
 
 def build_data(cfg: ml_collections.ConfigDict, seed: int, *, source=None, tokenizer=None,

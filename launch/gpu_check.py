@@ -1,0 +1,512 @@
+"""`make gpu-check`: everything a CUDA machine can tell us, in one time-bounded run.
+
+    python -m launch.gpu_check [--out runs/gpu_check] [--size full|small] [--budget_s 470] \
+        [--parts memory,plan,time,sampler,rl] [--memory_budget_gib X] [--plan_target h200-8]
+
+Each part is a fresh process of one of the project's commands, cut at its own time limit and at
+what is left of the whole budget (a part that does not finish keeps its log, and its cell says so):
+
+- versions: Python, jax, jaxlib, flax, optax, the CUDA plugin, the device, its memory and
+  ``XLA_PYTHON_CLIENT_MEM_FRACTION`` (0.95 unless set: JAX's default 0.75 caps a peak-memory run
+  near 104 of an H200's 139 GiB).
+- memory: one real update of the 7B config (Qwen2.5-7B shapes, one device, 8 rows × 2048 tokens in
+  2 micro-steps) per optimizer, LoGRA and AdamW each in a fresh process (a device's high-water mark
+  cannot be reset): ``peak_bytes_in_use`` beside XLA's prediction on the device; an update that does
+  not fit is ``does not fit: needs X GiB``, X being XLA's figure (launch/step_time.py --peak_memory).
+- plan: the same program planned without a device — by XLA:GPU for ``--plan_target`` (the target
+  of `launch.memory --target`; where this checkout or its CUDA plugin lacks it, the cell says why)
+  and by XLA:CPU — on the host's CPU while the other parts run (JAX_PLATFORMS=cpu).
+- time: update time LoGRA vs AdamW at 7B proportions (launch.step_time, bf16, widths 2048, 4096).
+- sampler: tokens/s and achieved/roofline at batch 1 / 16 / 64, stacked and per-layer decode, the
+  SmolLM2-135M shape with random weights (launch.sampler_bench).
+- rl: seconds per RL step of the whole loop, split by phase, Qwen2.5-1.5B's shape with random
+  weights (launch.rl_step_time).
+
+It writes ``gpu_check.json`` and ``gpu_check.md`` (the tables, with each part's command) and one
+log per part to ``--out`` (``$GPU_CHECK_OUT``). It installs nothing and never imports jax itself (a
+process holding the GPU would distort the others' memory). Without a GPU it stops, unless
+``ALLOW_CPU=1``: then ``--size small`` (the default there) runs every part at toy sizes on CPU —
+the plumbing, as the test suite does (tests/test_gpu_check.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import time
+
+from absl import app, flags
+
+_OUT = flags.DEFINE_string("out", os.environ.get("GPU_CHECK_OUT") or "runs/gpu_check",
+                           "Folder for gpu_check.json, gpu_check.md and the parts' logs "
+                           "(default $GPU_CHECK_OUT or runs/gpu_check).")
+_SIZE = flags.DEFINE_enum("size", None, ["full", "small"], "full: the 7B / 1.5B shapes (a GPU); "
+                          "small: toy shapes for the CPU (default on CPU).")
+_BUDGET = flags.DEFINE_float("budget_s", 470.0, "Seconds for all parts together.")
+_PARTS = flags.DEFINE_list("parts", None, "Parts to run besides versions (default: all).")
+_MEMORY_BUDGET = flags.DEFINE_float("memory_budget_gib", None, "For the memory part: GiB one device "
+                                    "may hold, instead of the device's own limit (on CPU, which "
+                                    "has none, the only way to see `does not fit`).")
+_PLAN_TARGET = flags.DEFINE_string("plan_target", None, "launch.memory --target of the deviceless "
+                                   "XLA:GPU plan (default: from the GPU's name, h200-8 otherwise).")
+
+PARTS = ("memory", "plan", "time", "sampler", "rl")   # and versions, always first
+OPTIMIZERS = ("logra", "adamw")
+MEM_FRACTION = "0.95"
+RL_WORKDIR = "rl_run"
+GIB = 2**30
+
+# The 7B update of the GPU memory table, on one device (configs/qwen2_5_7b_gsm8k.py lays it out for
+# 4 training + 4 rollout devices): 4 prompts × 2 completions = 8 rows of 2048 tokens, micro-batches
+# of 4 rows.
+ONE_DEVICE = ["--config.mesh.fsdp=1", "--config.mesh.tensor=1", "--config.sync.rollout_devices=0",
+              "--config.data.prompts_per_step=4", "--config.rl.num_generations=2"]
+# GPU names (jax's device_kind) → launch.memory's deviceless XLA:GPU targets.
+PLAN_TARGETS = (("H200", "h200-8"), ("H100", "h100-8"), ("A100", "a100-80gb-8"), ("B200", "b200-8"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Size:
+    memory_config: str
+    time_args: tuple[str, ...]
+    sampler_args: tuple[str, ...]
+    rl_args: tuple[str, ...]
+    limits: dict   # part → seconds
+
+
+FULL = Size(
+    memory_config="configs/qwen2_5_7b_gsm8k.py",
+    time_args=("--widths", "2048,4096", "--layers", "4", "--rows", "8", "--prompt_length", "512",
+               "--completion_length", "1536", "--rank", "144", "--vocab", "4096", "--micro_steps",
+               "2", "--repeats", "3", "--dtype", "bfloat16"),
+    sampler_args=("--dtype", "bfloat16", "--meshes", "1", "--batches", "1,16,64",
+                  "--decode_weights", "stacked,per_layer", "--repeats", "3", "--prompt_length",
+                  "64", "--completion_length", "128", "--config.model.source=random:smollm2_135m"),
+    rl_args=("--config", "configs/qwen2_5_1_5b.py", "--steps", "3"),
+    limits=dict(versions=60, memory=80, plan=450, time=80, sampler=90, rl=130))
+SMALL = Size(
+    memory_config="configs/tiny.py",
+    time_args=("--widths", "128", "--layers", "1", "--rows", "2", "--prompt_length", "8",
+               "--completion_length", "8", "--rank", "8", "--vocab", "256", "--repeats", "1"),
+    sampler_args=("--config", "configs/tiny.py", "--meshes", "1", "--batches", "1",
+                  "--decode_weights", "stacked,per_layer", "--repeats", "1", "--prompt_length", "8",
+                  "--completion_length", "4"),
+    rl_args=("--config", "configs/tiny.py", "--steps", "2", "--config.rl.max_completion_length=4"),
+    limits=dict(versions=60, memory=120, plan=240, time=120, sampler=120, rl=120))
+
+
+VERSIONS_SCRIPT = r"""
+import importlib.metadata as md, json, os, platform, sys
+from launch import simulate_host_devices
+simulate_host_devices(1)
+import jax
+def version(name):
+    try:
+        return md.version(name)
+    except md.PackageNotFoundError:
+        return None
+devices = jax.devices()
+stats = devices[0].memory_stats() or {}
+plugins = {d.metadata["Name"]: d.version for d in md.distributions()
+           if d.metadata["Name"] and d.metadata["Name"].lower().startswith(("jax-cuda", "jax_cuda"))}
+print(json.dumps(dict(
+    python=platform.python_version(), jax=jax.__version__, jaxlib=version("jaxlib"),
+    flax=version("flax"), optax=version("optax"), orbax_checkpoint=version("orbax-checkpoint"),
+    cuda_plugins=plugins, backend=jax.default_backend(), device_kind=devices[0].device_kind,
+    device_count=len(devices), bytes_limit=stats.get("bytes_limit"),
+    mem_fraction=os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"))))
+"""
+
+
+def _python() -> str:
+    return sys.executable
+
+
+@dataclasses.dataclass
+class Part:
+    """One command of the check: its log files, status and (once run) its outcome."""
+    name: str
+    argv: list[str]
+    limit: float
+    env: dict = dataclasses.field(default_factory=dict)
+    rc: int | None = None
+    seconds: float | None = None
+    status: str = "not run"
+    proc: subprocess.Popen | None = None
+    started: float | None = None
+
+    def command(self) -> str:
+        env = " ".join(f"{k}={v}" for k, v in self.env.items())
+        args = self.argv[1:] if self.argv[:1] == [_python()] else self.argv
+        if args[:2] == ["-c", VERSIONS_SCRIPT]:
+            args = ["-c", "<launch/gpu_check.py: VERSIONS_SCRIPT>"]
+        return (env + " " if env else "") + "python " + " ".join(args)
+
+    def start(self, out: pathlib.Path, base_env: dict) -> None:
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen(self.argv, env=dict(base_env, **self.env),
+                                     stdout=open(out / f"{self.name}.out", "w"),
+                                     stderr=open(out / f"{self.name}.err", "w"))
+
+    def poll(self) -> bool:
+        """Whether the part has ended (its outcome then recorded)."""
+        if self.rc is None and self.proc is not None and self.proc.poll() is not None:
+            self.rc = self.proc.returncode
+            self.seconds = time.monotonic() - self.started
+            self.status = "ok" if self.rc == 0 else f"failed (exit {self.rc})"
+        return self.rc is not None
+
+    def wait(self, deadline: float, beside: tuple["Part", ...] = ()) -> None:
+        """Waits until the part ends, or stops it at min(its limit, ``deadline``); the parts
+        running ``beside`` it are polled meanwhile (each keeps its own seconds)."""
+        stop_at = min(self.started + self.limit, deadline)
+        while not self.poll():
+            for other in beside:
+                other.poll()
+            if time.monotonic() >= stop_at:
+                self.proc.kill()   # only this part's own process, started above
+                self.proc.wait()
+                self.seconds = time.monotonic() - self.started
+                self.status = (f"cut at its limit of {self.limit:.0f} s" if stop_at < deadline
+                               else "cut: the check's whole budget was spent")
+                return
+            time.sleep(0.2)
+
+
+def build_parts(size: Size, selected, memory_budget, plan_target, on_gpu: bool) -> list[Part]:
+    py = _python()
+    parts = []
+    if "plan" in selected:   # on the host's CPU, beside the device parts (started first)
+        plan = [py, "-m", "launch.memory", "--config", size.memory_config, "--mesh",
+                "fsdp=1,tensor=1", *ONE_DEVICE, "--compare", "adamw"]
+        parts.append(Part("plan_gpu", plan + ["--target", plan_target, "--json", "plan_gpu.json"],
+                          size.limits["plan"], dict(JAX_PLATFORMS="cpu")))
+        if on_gpu:   # on a CPU the memory part's own prediction is XLA:CPU's plan already
+            parts.append(Part("plan_cpu", plan + ["--json", "plan_cpu.json"], size.limits["plan"],
+                              dict(JAX_PLATFORMS="cpu")))
+    if "memory" in selected:
+        for opt in OPTIMIZERS:
+            argv = [py, "-m", "launch.step_time", "--config", size.memory_config, "--peak_memory",
+                    "--optimizer", opt, *ONE_DEVICE]
+            if memory_budget is not None:
+                argv += ["--memory_budget_gib", f"{memory_budget:g}"]
+            parts.append(Part(f"memory_{opt}", argv, size.limits["memory"]))
+    if "time" in selected:
+        parts.append(Part("time", [py, "-m", "launch.step_time", *size.time_args, "--json",
+                                   "time.json"], size.limits["time"]))
+    if "sampler" in selected:
+        parts.append(Part("sampler", [py, "-m", "launch.sampler_bench", *size.sampler_args,
+                                      "--jsonl", "sampler.jsonl"], size.limits["sampler"]))
+    if "rl" in selected:
+        # The run's own workdir: a part cut short still leaves the steps it logged.
+        parts.append(Part("rl", [py, "-m", "launch.rl_step_time", *size.rl_args, "--json",
+                                 "rl.json", "--workdir", RL_WORKDIR], size.limits["rl"]))
+    return parts
+
+
+def run_parts(parts: list[Part], out: pathlib.Path, budget: float, base_env: dict) -> None:
+    """The plans start at once and run beside the rest (they use the CPU only); every other part
+    runs alone on the device, one after another, until the budget is spent."""
+    deadline = time.monotonic() + budget
+    background = [p for p in parts if p.name.startswith("plan_")]
+    for part in background:
+        part.start(out, base_env)
+    for part in parts:
+        if part in background:
+            continue
+        if time.monotonic() >= deadline:
+            part.status = "not run: the check's whole budget was spent"
+            continue
+        part.start(out, base_env)
+        part.wait(deadline, tuple(background))
+        print(f"{part.name}: {part.status} ({part.seconds:.0f} s)", flush=True)
+    for part in background:
+        part.wait(deadline)
+        print(f"{part.name}: {part.status} ({part.seconds:.0f} s)", flush=True)
+
+
+# ---- reading the parts' outputs --------------------------------------------------------------
+
+def _read_json(path: pathlib.Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _last_json_line(path: pathlib.Path):
+    try:
+        lines = [line for line in path.read_text().splitlines() if line.startswith("{")]
+    except OSError:
+        return None
+    try:
+        return json.loads(lines[-1]) if lines else None
+    except ValueError:
+        return None
+
+
+def _read_jsonl(path: pathlib.Path) -> list:
+    try:
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except (OSError, ValueError):
+        return []
+
+
+def _why(part: Part, out: pathlib.Path) -> str:
+    """Why a part gave no figure: its status and the last line of its stderr."""
+    try:
+        lines = [line.strip() for line in (out / f"{part.name}.err").read_text().splitlines()
+                 if line.strip()]
+    except OSError:
+        lines = []
+    last = lines[-1] if lines else "no output"
+    return f"{part.status}: {last}" if part.status != "ok" else last
+
+
+def collect(parts: list[Part], out: pathlib.Path) -> dict:
+    by_name = {p.name: p for p in parts}
+    result = {"parts": {p.name: dict(command=p.command(), status=p.status, seconds=p.seconds,
+                                     limit_s=p.limit) for p in parts}}
+    if "versions" in by_name:
+        result["versions"] = _last_json_line(out / "versions.out")
+    if any(n.startswith("memory_") for n in by_name):
+        result["memory"] = {}
+        for opt in OPTIMIZERS:
+            part = by_name.get(f"memory_{opt}")
+            if part is None:
+                continue
+            found = _last_json_line(out / f"memory_{opt}.out")
+            result["memory"][opt] = found if found else {"absent": _why(part, out)}
+    for name in ("plan_gpu", "plan_cpu"):
+        if name in by_name:
+            found = _read_json(out / f"{name}.json") if by_name[name].status == "ok" else None
+            if found is None:
+                argv = by_name[name].argv
+                target = argv[argv.index("--target") + 1] if "--target" in argv else "cpu"
+                result[name] = {"target": target, "absent": _why(by_name[name], out)}
+            else:
+                peaks = {s["optimizer"]: s["peak"] for s in found.get("steps", [])}
+                refused = {k: v.get("needed") for k, v in (found.get("refused") or {}).items()}
+                result[name] = {"target": found.get("target"), "peak": peaks, "refused": refused}
+    if "time" in by_name:
+        result["time"] = _read_json(out / "time.json") or {"absent": _why(by_name["time"], out)}
+    if "sampler" in by_name:
+        try:
+            rows = [json.loads(line) for line in (out / "sampler.jsonl").read_text().splitlines()]
+        except (OSError, ValueError):
+            rows = []
+        result["sampler"] = {"rows": rows, "status": by_name["sampler"].status}
+        if by_name["sampler"].status != "ok":
+            result["sampler"]["why"] = _why(by_name["sampler"], out)
+    if "rl" in by_name:
+        result["rl"] = _read_json(out / "rl.json") or {"absent": _why(by_name["rl"], out)}
+        if "absent" in result["rl"]:   # the per-phase seconds of the steps that did finish
+            result["rl"]["logged_steps"] = [
+                {k: v for k, v in row.items() if k == "step" or k.startswith("time/")}
+                for row in _read_jsonl(out / RL_WORKDIR / "metrics.jsonl")]
+        shutil.rmtree(out / RL_WORKDIR / "checkpoints", ignore_errors=True)   # GBs at 1.5B
+    return result
+
+
+# ---- the markdown page -----------------------------------------------------------------------
+
+def _gib(n) -> str:
+    return f"{n / GIB:.2f}" if isinstance(n, (int, float)) else "–"
+
+
+def memory_rows(result: dict) -> list[str]:
+    memory = result.get("memory", {})
+    plans = {name: result.get(name) for name in ("plan_gpu", "plan_cpu")}
+
+    on_cpu = (result.get("versions") or {}).get("backend") == "cpu"
+
+    def plan_cell(name, opt):
+        plan = plans[name]
+        if plan is None and name == "plan_cpu" and on_cpu:
+            return "the device's prediction (XLA:CPU)"
+        if plan is None:
+            return "not run"
+        if "absent" in plan:
+            return f"absent ({plan['absent']})"
+        if opt in plan["peak"]:
+            return _gib(plan["peak"][opt])
+        if opt in plan["refused"]:   # the compiler's own verdict, keyed by the column's label
+            needed = plan["refused"][opt]
+            return f"refused: needs {_gib(needed)} GiB" if needed else "refused"
+        return "–"
+
+    gpu_target = (plans["plan_gpu"] or {}).get("target") or "XLA:GPU"
+    rows = [f"| optimizer | measured peak_bytes_in_use | XLA's prediction on the device | "
+            f"deviceless XLA:GPU plan ({gpu_target}) | XLA:CPU plan |", "|---|---|---|---|---|"]
+    for opt in OPTIMIZERS:
+        m = memory.get(opt)
+        if m is None:
+            continue
+        if "absent" in m:
+            measured = predicted = f"absent ({m['absent']})"
+        elif not m.get("fits", True):
+            measured = m["message"]
+            predicted = _gib(m.get("predicted_peak"))
+        else:
+            measured = (_gib(m["peak_bytes_in_use"]) if m.get("peak_bytes_in_use") is not None
+                        else f"– ({m['backend']} keeps no allocator statistics)")
+            predicted = _gib(m.get("predicted_peak"))
+        rows.append(f"| {opt} | {measured} | {predicted} | {plan_cell('plan_gpu', opt)} | "
+                    f"{plan_cell('plan_cpu', opt)} |")
+
+    def ratio(logra, adamw, adamw_needs):
+        """LoGRA's figure over AdamW's; over what AdamW needs (a bound: ≤) where it did not fit."""
+        b, bound = (adamw, "") if isinstance(adamw, (int, float)) else (adamw_needs, "≤ ")
+        return (f"{bound}{logra / b:.3f}" if isinstance(logra, (int, float))
+                and isinstance(b, (int, float)) and b else "–")
+    lo, ad = memory.get("logra", {}), memory.get("adamw", {})
+    gpu, cpu = plans["plan_gpu"] or {}, plans["plan_cpu"] or {}
+    cells = [ratio(lo.get("peak_bytes_in_use"), ad.get("peak_bytes_in_use"), ad.get("needs_bytes")),
+             ratio(lo.get("predicted_peak"), ad.get("predicted_peak"), ad.get("needs_bytes")),
+             ratio(gpu.get("peak", {}).get("logra"), gpu.get("peak", {}).get("adamw"),
+                   gpu.get("refused", {}).get("adamw")),
+             ratio(cpu.get("peak", {}).get("logra"), cpu.get("peak", {}).get("adamw"),
+                   cpu.get("refused", {}).get("adamw"))]
+    rows.append("| logra / adamw | " + " | ".join(cells) + " |")
+    return rows
+
+
+def markdown(result: dict, when: str) -> str:
+    v = result.get("versions") or {}
+    lines = [f"# gpu-check, {when}", ""]
+    if v:
+        plugins = ", ".join(f"{k} {val}" for k, val in (v.get("cuda_plugins") or {}).items()) or "none"
+        lines += [f"Machine: {v['device_count']} × {v['device_kind']} ({v['backend']}), allocator "
+                  f"limit {_gib(v.get('bytes_limit'))} GiB, XLA_PYTHON_CLIENT_MEM_FRACTION="
+                  f"{v.get('mem_fraction')}; Python {v['python']}, jax {v['jax']}, jaxlib "
+                  f"{v['jaxlib']}, flax {v['flax']}, optax {v['optax']}, orbax-checkpoint "
+                  f"{v['orbax_checkpoint']}; CUDA plugins: {plugins}.", ""]
+    if "memory" in result or "plan_gpu" in result or "plan_cpu" in result:
+        m = next((x for x in result.get("memory", {}).values() if "params" in x), {})
+        lines += [f"## Peak memory of one update, GiB per device ({m.get('model', 'the config')}, "
+                  f"{m['params'] / 1e6:,.1f} M parameters)" if m else
+                  "## Peak memory of one update, GiB per device", ""] + memory_rows(result) + [""]
+    t = result.get("time")
+    if t:
+        lines += ["## Update time, LoGRA vs AdamW", ""]
+        if "absent" in t:
+            lines += [f"absent ({t['absent']})", ""]
+        else:
+            lines += [f"{t['layers']} layers, {t['micro_steps']} micro-step(s) of {t['rows']} × "
+                      f"{t['tokens']} tokens, rank {t['rank']}, vocabulary {t['vocab']}, {t['dtype']}, "
+                      f"{t['device_kind']}; median of {t['repeats']} interleaved runs", "",
+                      "| width | logra ms | adamw ms | time ratio | paired ratio | FLOP ratio |",
+                      "|---|---|---|---|---|---|"]
+            for w in t["widths"]:
+                flops = w["flops"]["logra"] / w["flops"]["adamw"] if w["flops"]["adamw"] else float("nan")
+                lines.append(f"| {w['width']} | {w['ms']['logra']:.1f} | {w['ms']['adamw']:.1f} | "
+                             f"{w['ms']['logra'] / w['ms']['adamw']:.3f} | "
+                             f"{w['paired']['logra'][0]:.3f} | {flops:.3f} |")
+            lines.append("")
+    s = result.get("sampler")
+    if s:
+        lines += ["## Sampler", ""]
+        if s["rows"]:
+            r0 = s["rows"][0]
+            lines += [f"{r0['model']}, {r0['dtype']}, {r0['prompt_length']} + "
+                      f"{r0['completion_length']} tokens per row, {r0['device_kind']}; matmul "
+                      f"{r0['matmul_flops_per_second'] / 1e9:,.1f} GFLOP/s, copy "
+                      f"{r0['copy_bytes_per_second'] / GIB:.1f} GiB/s (measured)", "",
+                      "| batch | decode | seconds | tokens/s | roofline s | achieved/roofline |",
+                      "|---|---|---|---|---|---|"]
+            lines += [f"| {r['batch']} | {r['decode_weights']} | {r['seconds']:.3f} | "
+                      f"{r['tokens_per_second']:.1f} | {r['roofline_seconds']:.3f} | "
+                      f"{r['achieved_over_roofline']:.2f} |" for r in s["rows"]]
+        if s["status"] != "ok":
+            lines.append(f"\nnot every cell finished: {s.get('why', s['status'])}")
+        lines.append("")
+    rl = result.get("rl")
+    if rl:
+        lines += ["## Seconds per RL step", ""]
+        if "absent" in rl:
+            lines += [f"absent ({rl['absent']})", ""]
+            for row in rl.get("logged_steps", []):   # what the trainer logged before the cut
+                lines.append(f"- step {row.get('step')}: " + ", ".join(
+                    f"{k.removeprefix('time/')} {v:.2f} s" for k, v in row.items()
+                    if k.startswith("time/")))
+            lines.append("")
+        else:
+            lines += [f"{rl['model']}, {rl['optimizer']}: {rl['rows']} rows of "
+                      f"{rl['prompt_window']} + ≤ {rl['max_completion_length']} tokens per step, "
+                      f"{rl['devices']} × {rl['device_kind']}", "",
+                      "| | rollout | reward | reference | update | sync | step | generated tokens/s per device |",
+                      "|---|---|---|---|---|---|---|---|"]
+            for label, part in (("first step (compiles)", rl["first"]),
+                                (f"median of {rl['steps'] - 1} more", rl["steady"])):
+                if part:
+                    lines.append(f"| {label} | " + " | ".join(
+                        f"{part['seconds'][p]:.2f}" for p in
+                        ("rollout", "reward", "reference", "update", "sync"))
+                        + f" | {part['step_seconds']:.2f} | "
+                        f"{part['generated_tokens_per_second_per_device']:.1f} |")
+            lines.append("")
+    lines += ["## Commands", "", "| part | status | seconds | command |", "|---|---|---|---|"]
+    for name, p in result["parts"].items():
+        seconds = f"{p['seconds']:.0f}" if p["seconds"] is not None else "–"
+        lines.append(f"| {name} | {p['status']} | {seconds} | `{p['command']}` |")
+    return "\n".join(lines) + "\n"
+
+
+def plan_target_for(device_kind: str) -> str:
+    for name, target in PLAN_TARGETS:
+        if name in device_kind.upper():
+            return target
+    return "h200-8"
+
+
+def main(argv):
+    del argv
+    selected = PARTS if _PARTS.value is None else tuple(_PARTS.value)
+    unknown = sorted(set(selected) - set(PARTS))
+    if unknown:
+        sys.exit(f"error: --parts {unknown}: choose from {PARTS}")
+    base_env = dict(os.environ)
+    base_env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", MEM_FRACTION)
+    out = pathlib.Path(_OUT.value)
+    out.mkdir(parents=True, exist_ok=True)
+    # The versions part runs first, alone: it also says which backend the others will meet.
+    versions = Part("versions", [_python(), "-c", VERSIONS_SCRIPT], FULL.limits["versions"])
+    versions.start(out, base_env)
+    versions.wait(time.monotonic() + versions.limit)
+    found = _last_json_line(out / "versions.out")
+    if found is None:
+        sys.exit(f"error: jax does not start here ({_why(versions, out)}); see {out / 'versions.err'}")
+    backend, device_kind = found["backend"], found["device_kind"]
+    if backend != "gpu" and os.environ.get("ALLOW_CPU") != "1":
+        sys.exit(f"error: jax sees no CUDA device (backend: {backend}); set ALLOW_CPU=1 to run the "
+                 f"plumbing on CPU at toy sizes")
+    size = {"full": FULL, "small": SMALL}[_SIZE.value or ("full" if backend == "gpu" else "small")]
+    if backend != "gpu":
+        base_env.setdefault("LOGRA_HOST_DEVICES", "1")   # the one-device programs, as on the GPU
+    parts = [versions] + build_parts(size, selected, _MEMORY_BUDGET.value,
+                                     _PLAN_TARGET.value or plan_target_for(device_kind),
+                                     on_gpu=backend == "gpu")
+    for part in parts:   # the parts write their JSON beside their logs
+        part.argv = [str(out / a) if a.endswith((".json", ".jsonl")) or a == RL_WORKDIR else a
+                     for a in part.argv]
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    tic = versions.started
+    run_parts(parts[1:], out, _BUDGET.value - versions.seconds, base_env)
+    result = collect(parts, out)
+    result.update(when=when, size="full" if size is FULL else "small", wall_seconds=time.monotonic() - tic,
+                  budget_s=_BUDGET.value, mem_fraction=base_env["XLA_PYTHON_CLIENT_MEM_FRACTION"])
+    (out / "gpu_check.json").write_text(json.dumps(result, indent=1))
+    page = markdown(result, when)
+    (out / "gpu_check.md").write_text(page)
+    print(page)
+    print(f"written: {out / 'gpu_check.json'}, {out / 'gpu_check.md'} ({result['wall_seconds']:.0f} s)")
+
+
+if __name__ == "__main__":
+    app.run(main)
