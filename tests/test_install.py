@@ -79,6 +79,18 @@ def test_the_extras_pin_known_good_pairs_inside_the_ranges():
             assert versions._minor(exact["jax"]) in versions.FIRST_FLAX, group
 
 
+def test_make_installs_the_tested_pair_the_cuda_extra_pins():
+    """pyproject admits ranges; `make` (a newcomer's install, and CI's) must still get the pair the
+    suite ran on, not the newest in range: the Makefile's TESTED_JAX_FLAX is the cuda extra's pins."""
+    line = next(line for line in (ROOT / "Makefile").read_text().splitlines()
+                if line.startswith("TESTED_JAX_FLAX"))
+    pins = {r.name: r for r in map(Requirement, line.split(":=", 1)[1].split())}
+    cuda = _requirements()["cuda"]
+    assert {name: str(r.specifier) for name, r in pins.items()} == {
+        name: str(r.specifier) for name, r in cuda.items()}
+    assert versions.broken_pair(*(next(iter(pins[n].specifier)).version for n in ("jax", "flax"))) is None
+
+
 def test_the_installed_pair_is_admitted_and_known_good():
     ranges = _requirements()["dependencies"]
     installed = {name: importlib.metadata.version(name) for name in ("jax", "flax")}
