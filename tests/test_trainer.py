@@ -10,6 +10,7 @@ import pytest
 
 from configs import tiny
 from logra_jax import config as config_lib, metrics
+from logra_jax.optim import PredictedKLState
 from logra_jax.rl import build
 from logra_jax.rl import trainer as trainer_lib
 from logra_jax.rl.rollout import collect_rollouts
@@ -39,11 +40,54 @@ def test_end_to_end_logs_finite_metrics(name, trainers, tmp_path):
             assert key in row, f"{name}: {key} not logged"
     if name.startswith("logra"):
         assert "logra/predicted_kl" in last and "logra/alpha" in last
+        _assert_the_safeguard_measured_each_step(rows)
         # fp32 targets: almost every entry of a nonzero low-rank update changes its stored value.
         assert all(0.5 < r["logra/changed_fraction"] <= 1.0 for r in rows), rows
     else:
         assert "logra/changed_fraction" not in last
     assert (tmp_path / "checkpoints" / "2").exists()
+
+
+def _assert_the_safeguard_measured_each_step(rows):
+    """The controller's safeguard (optim/predicted_kl.py) measured every candidate in the real
+    update, and what it measured is what the merge then did: an update it did not scale back has
+    the realized KL it checked; one it scaled back by s has s² times that (the budget)."""
+    for row in rows:
+        checked, backoff, realized = row["logra/checked_kl"], row["logra/backoff"], row["logra/realized_kl"]
+        assert checked > 0, row   # 0: the update passed no candidate_kl, nothing was measured
+        # Measured on XLA:CPU: without a back-off within 3e-4 of each other (the candidate leaves
+        # out the merge's rounding and weight decay); s² is the KL's quadratic term only, off by
+        # 3e-4 at s = 0.99 and 2 % at s = 0.3.
+        if backoff == 1.0:
+            np.testing.assert_allclose(realized, checked, rtol=3e-3, err_msg=str(row))
+        else:
+            assert 0 < backoff < 1 and checked > row["logra/effective_budget"], row
+            np.testing.assert_allclose(realized, backoff ** 2 * checked, rtol=0.05, err_msg=str(row))
+
+
+def test_the_safeguard_backs_off_a_step_the_prediction_undershot_inside_the_loop(trainers, tmp_path,
+                                                                                  monkeypatch):
+    """The loop's first update starts from a learned realized/predicted ratio ρ of 0.1 (the lowest
+    it can learn): the corrected prediction undershoots the candidate's KL about tenfold, and the
+    safeguard must bring the applied step back to the budget."""
+    trainer = trainers["logra-grpo"]
+    init_state = trainer.init_state
+
+    def undershooting_state():
+        params, opt_state = init_state()
+        return params, jax.tree.map(
+            lambda s: s._replace(kl_ratio=s.kl_ratio * 0.1) if isinstance(s, PredictedKLState) else s,
+            opt_state, is_leaf=lambda s: isinstance(s, PredictedKLState))
+    monkeypatch.setattr(trainer, "init_state", undershooting_state)
+    run = trainer_lib.Run(make_config("logra-grpo", max_steps=1), tmp_path, trainer=trainer)
+    run.loop()
+    run.close()
+    [row] = metrics.read_jsonl(tmp_path / "metrics.jsonl")
+    assert row["logra/kl_ratio"] != 1.0   # ρ was 0.1 at the step (1 is its initial value)
+    budget = row["logra/effective_budget"]
+    assert row["logra/checked_kl"] > 3 * budget and row["logra/backoff"] < 0.6, row
+    _assert_the_safeguard_measured_each_step([row])
+    np.testing.assert_allclose(row["logra/realized_kl"], budget, rtol=0.05)
 
 
 def test_the_tiny_config_moves_its_weights_every_step(shipped_tiny_trainer, tmp_path):
