@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from logra_jax.models import Decoder, KVCache, ModelConfig, model_from_weights, token_logprobs
+from logra_jax.models import Decoder, KVCache, model_from_weights, token_logprobs
 from logra_jax.models.config import tiny
 from logra_jax.models.llama import LAYER_LINEARS
 from logra_jax.projections import SketchProbe, projection_keys
@@ -429,7 +429,9 @@ def test_input_and_cache_errors(model, tokens):
         model(tokens[:1, :2], cache=cache)
     with pytest.raises(ValueError, match="needs a ModelConfig"):
         Decoder({"vocab_size": 3}, rngs=nnx.Rngs(0))
-    assert isinstance(cache, KVCache) and isinstance(CONFIG, ModelConfig)
+    # The overflow check's boundary: a chunk that exactly fills the cache is accepted.
+    _, full = model(tokens[:, :3], cache=dataclasses.replace(cache, index=jnp.int32(5)))
+    assert isinstance(full, KVCache) and int(full.index) == 8
 
 
 def test_model_from_weights_errors(model):
