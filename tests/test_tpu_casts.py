@@ -62,20 +62,25 @@ def test_the_compiler_copies_fp32_stacks_whole_unless_the_update_options_say_not
     assert _whole_stack_casts(_fp32_stack_update(update_compiler_options({"kernel": fp32})), layers=4) == []
 
 
-def test_our_fp32_update_casts_each_layer_as_the_scan_reaches_it(tmp_path):
+def test_our_fp32_update_casts_each_layer_as_the_scan_reaches_it(tmp_path, monkeypatch):
     """Our update, fp32 master weights under bf16 compute, compiled for the TPU with its own
-    options: no whole-stack casts. (Without the options this update made them at these sizes — two
-    layers 1024 wide, MLP 4096 — when the options were added; the test above keeps the mechanism
-    in view at a fraction of this compile.)"""
+    options: no whole-stack casts — and the same update compiled without them (the control) has
+    them, so the check can see them (two layers 1024 wide, MLP 4096)."""
     from configs import tiny
     from logra_jax.perf import memory
+    from logra_jax.rl import update as update_lib
     from logra_jax.rl.build import build_mesh
     config = tiny.get_config()
     config.model.update(dtype="bfloat16", param_dtype="float32", remat=True)
     config.model.tiny.update(num_layers=2, hidden_size=1024, intermediate_size=4096)
     target = tpu.target(TARGET)
     mesh = build_mesh({"fsdp": target.devices, "tensor": 1}, tpu.devices(target))
-    memory.update_step_memory(config, mesh, micro_steps=1, dump_dir=tmp_path)
-    text = next(tmp_path.glob("*_step_impl*after_optimizations.txt")).read_text()
+
+    def optimized_update(dump_dir):
+        memory.update_step_memory(config, mesh, micro_steps=1, dump_dir=dump_dir)
+        return next(dump_dir.glob("*_step_impl*after_optimizations.txt")).read_text()
+    text = optimized_update(tmp_path / "ours")
     assert re.search(r"f32\[2,\d+,\d+\]\S* parameter\(", text)   # the fp32 stacks are there
     assert _whole_stack_casts(text, layers=2) == []
+    monkeypatch.setattr(update_lib, "update_compiler_options", lambda params: {})
+    assert _whole_stack_casts(optimized_update(tmp_path / "control"), layers=2)
