@@ -2,6 +2,7 @@
 
 import gc
 import json
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -145,12 +146,24 @@ RESUME = "logra-kl"  # its updates are never zero (REINFORCE baseline), so a wro
 
 @pytest.fixture(scope="module")
 def straight(trainers, tmp_path_factory):
-    """An uninterrupted 3-step run: what every resumed run must end on, bit for bit."""
-    run = trainer_lib.Run(make_config(RESUME, max_steps=3), tmp_path_factory.mktemp("straight"),
-                          trainer=trainers[RESUME])
+    """An uninterrupted 3-step run: what every resumed run must end on, bit for bit. Checkpointed
+    after every step: tests copy its workdir as it was at an earlier step instead of training to it."""
+    run = trainer_lib.Run(make_config(RESUME, max_steps=3, checkpoint=dict(every=1, keep=3)),
+                          tmp_path_factory.mktemp("straight"), trainer=trainers[RESUME])
     run.loop()
     run.close()
     return run
+
+
+def _straight_until(straight, step: int, workdir):
+    """``workdir`` as the straight run's was after ``step``: its checkpoints and metrics rows up to
+    there (what a run stopped after ``step`` leaves)."""
+    shutil.copytree(straight.workdir, workdir, dirs_exist_ok=True)
+    for later in (workdir / "checkpoints").iterdir():
+        if later.name.isdigit() and int(later.name) > step:
+            shutil.rmtree(later)
+    rows = (workdir / "metrics.jsonl").read_text().splitlines()
+    (workdir / "metrics.jsonl").write_text("".join(row + "\n" for row in rows[:step]))
 
 
 def _run(trainers, workdir, **overrides):
@@ -186,7 +199,7 @@ def test_resume_is_bit_identical(trainers, straight, tmp_path):
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_a_damaged_checkpoint_is_set_aside_and_the_previous_one_resumes(trainers, straight,
                                                                         tmp_path):
-    _run(trainers, tmp_path, max_steps=2, checkpoint=dict(every=1, keep=3))
+    _straight_until(straight, 2, tmp_path)
     ckpts = tmp_path / "checkpoints"
     victim = max((f for f in (ckpts / "2").rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
     victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])   # a torn write
@@ -233,8 +246,8 @@ def test_a_refused_resume_leaves_the_workdir_resumable(trainers, tmp_path):
     assert json.loads((tmp_path / "config.json").read_text())["max_steps"] == 2
 
 
-def test_max_steps_already_reached_trains_nothing(trainers, tmp_path):
-    _run(trainers, tmp_path, max_steps=2)
+def test_max_steps_already_reached_trains_nothing(trainers, straight, tmp_path):
+    _straight_until(straight, 2, tmp_path)
     rows = metrics.read_jsonl(tmp_path / "metrics.jsonl")
     run = trainer_lib.Run(make_config(RESUME, max_steps=1), tmp_path, trainer=trainers[RESUME])
     assert run.loop() == {}
