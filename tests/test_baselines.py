@@ -123,25 +123,43 @@ def _galore_projectors(opt_state) -> list[np.ndarray]:
             for p in jax.tree.leaves(s.projector) if np.size(p)]
 
 
+def _baseline_config(name):
+    optimizer = {"lora": LORA, "galore": GALORE}.get(name, {"name": name})
+    return tiny_config({"optimizer": optimizer, "max_steps": 2, "checkpoint": {"every": 1, "keep": 2}})
+
+
+@pytest.fixture(scope="module")
+def straight_runs(tmp_path_factory):
+    """name → (its Trainer, its run trained 2 steps straight, checkpoints 1 and 2), built once per
+    module: the LoRA export test reads the resume test's run instead of training its own."""
+    runs = {}
+
+    def get(name):
+        if name not in runs:
+            trainer = trainer_lib.Trainer(_baseline_config(name))
+            straight = trainer_lib.Run(_baseline_config(name), tmp_path_factory.mktemp(name),
+                                       trainer=trainer)
+            straight.loop()
+            straight.close()
+            runs[name] = trainer, straight
+        return runs[name]
+    return get
+
+
 @pytest.mark.parametrize("name", ["adafactor", "galore", "lora"])
-def test_trains_checkpoints_and_resumes_bit_exactly(name, tmp_path):
+def test_trains_checkpoints_and_resumes_bit_exactly(name, straight_runs, tmp_path):
     """configs/tiny.py with optimizer.name=<name> (GaLore's randomized projector): every parameter
     moves (LoRA: every adapter, and no base weight); stopping after step 1 and resuming ends on the straight run's weights and
     optimizer state, bit for bit."""
-    optimizer = {"lora": LORA, "galore": GALORE}.get(name, {"name": name})
-    config = tiny_config({"optimizer": optimizer, "max_steps": 2,
-                          "checkpoint": {"every": 1, "keep": 2}})
-    trainer = trainer_lib.Trainer(config)
-    straight = trainer_lib.Run(config, tmp_path / "straight", trainer=trainer)
-    straight.loop()
-    straight.close()
+    config = _baseline_config(name)
+    trainer, straight = straight_runs(name)
     initial, end = _flat(trainer.initial_params), _flat(straight.params)
     unchanged = [p for p in end if np.array_equal(end[p], initial[p])]
     if name == "lora":
         assert sorted(unchanged) == sorted(p for p in end if not p.startswith("lora/")), unchanged
     else:
         assert not unchanged, unchanged
-    assert (tmp_path / "straight" / "checkpoints" / "2").is_dir()
+    assert (straight.workdir / "checkpoints" / "2").is_dir()
 
     for steps in (1, 2):
         config.max_steps = steps
@@ -162,20 +180,16 @@ def test_trains_checkpoints_and_resumes_bit_exactly(name, tmp_path):
     assert any(np.any(np.asarray(x) != 0) for x in jax.tree.leaves(state))   # the state moved too
 
 
-def test_a_lora_run_exports_with_its_adapters_merged(tmp_path):
+def test_a_lora_run_exports_with_its_adapters_merged(straight_runs, tmp_path):
     """A tiny LoRA run (2 steps) exported: transformers computes base + adapters' logits. The
     export reads the run through `restore_policy`, which launch.evaluate uses for every run."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     from logra_jax.export import export_run, restore_policy
 
-    config = tiny_config({"optimizer": LORA, "max_steps": 2})
-    trainer = trainer_lib.Trainer(config)
-    run = trainer_lib.Run(config, tmp_path / "run", trainer=trainer)
-    run.loop()
-    run.close()
-    out, _ = export_run(tmp_path / "run", tmp_path / "hf")
-    step, merged = restore_policy(tmp_path / "run", run.params)
+    trainer, run = straight_runs("lora")
+    out, _ = export_run(run.workdir, tmp_path / "hf")
+    step, merged = restore_policy(run.workdir, run.params)
     assert step == 2 and "lora" not in merged        # the base model's layout, adapters folded in
     reference = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     tokens = np.random.default_rng(0).integers(0, 1000, (2, 10)).astype(np.int32)
