@@ -53,9 +53,14 @@ GSM8K_DIR = SHARED / "data" / "gsm8k"
 
 @pytest.fixture(scope="session")
 def gsm8k_dir() -> pathlib.Path:
-    """The real GSM8K JSONL files that CI provides beside the repository."""
+    """The real GSM8K JSONL files that CI provides beside the repository: a developer without
+    them skips the tests that read them; on CI (CI=true) their absence is a failure, since those
+    tests would otherwise pass there by not running."""
     if not (GSM8K_DIR / "test.jsonl").exists():
-        pytest.skip(f"GSM8K files not found at {GSM8K_DIR} (CI provides ../shared/data/gsm8k)")
+        why = f"GSM8K files not found at {GSM8K_DIR} (CI provides ../shared/data/gsm8k)"
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"{why}; CI=true, so this is a failure, not a skip", pytrace=False)
+        pytest.skip(why)
     return GSM8K_DIR
 
 

@@ -6,8 +6,9 @@ a LoRA run exports with its adapters merged."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
-from optax.contrib import galore
+from optax.contrib import GaLoreState, galore
 
 from logra_jax import metrics
 from logra_jax.optim.baselines import galore_baseline, over_layers
@@ -81,49 +82,96 @@ def test_the_randomized_projector_finds_the_svds_subspace(shape):
 
 
 def test_galore_projects_only_the_targets():
-    params = {"layers": {"mlp": {"up_proj": {"kernel": jnp.ones((2, 16, 8))}}},
+    """With targets = up_proj, its stack gets a per-layer rank-2 projector and a rank-2 update per
+    layer; down_proj, a stack of matrices too but not a target, gets no projector and AdamW's
+    full-rank update — the same as optax.adamw's."""
+    keys = jax.random.split(jax.random.PRNGKey(0), 2)
+    params = {"layers": {"mlp": {"up_proj": {"kernel": jnp.ones((2, 16, 8))},
+                                 "down_proj": {"kernel": jnp.ones((2, 8, 16))}}},
               "norm": {"scale": jnp.ones((8,))}}
-    tx = galore_baseline(0.1, rank=2)
+    grads = {"layers": {"mlp": {"up_proj": {"kernel": jax.random.normal(keys[0], (2, 16, 8))},
+                                "down_proj": {"kernel": jax.random.normal(keys[1], (2, 8, 16))}}},
+             "norm": {"scale": jnp.ones((8,))}}
+    tx = galore_baseline(0.1, rank=2, targets=r"up_proj/kernel$", max_grad_norm=0.0)   # unclipped
     state = tx.init(params)
-    shapes = [x.shape for x in jax.tree.leaves(state)]
-    assert (2, 16, 2) in shapes or (2, 8, 2) in shapes   # a per-layer projector of rank 2
-    updates, _ = tx.update(jax.tree.map(jnp.ones_like, params), state, params)
-    assert jax.tree.all(jax.tree.map(lambda u: bool(jnp.all(jnp.isfinite(u))), updates))
+    projectors = [p.shape for s in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, GaLoreState))
+                  if isinstance(s, GaLoreState) for p in jax.tree.leaves(s.projector) if p.size]
+    assert projectors == [(2, 16, 2)]   # up_proj's, one per layer; none for down_proj
+    updates, _ = tx.update(grads, state, params)
+    mlp = updates["layers"]["mlp"]
+    rank = lambda m: int(np.linalg.matrix_rank(np.asarray(m), tol=1e-6 * float(jnp.abs(m).max())))
+    assert [rank(layer) for layer in mlp["up_proj"]["kernel"]] == [2, 2]
+    assert [rank(layer) for layer in mlp["down_proj"]["kernel"]] == [8, 8]
+    adamw = optax.adamw(0.1, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0)
+    down = params["layers"]["mlp"]["down_proj"]
+    expected, _ = adamw.update(grads["layers"]["mlp"]["down_proj"], adamw.init(down), down)
+    np.testing.assert_allclose(mlp["down_proj"]["kernel"], expected["kernel"], rtol=1e-5)
 
 
 # LoRA as every LoRA test here runs it: rank 4 with a rate at which 2 steps visibly move the
 # logits; one config, so the tests' trainers compile the same programs (the session's cache).
 LORA = {"name": "lora", "lora": {"rank": 4, "learning_rate": 3e-2}}
 # GaLore with the projector a TPU run uses (the SVD's is optax's, tested above): its Ω is drawn
-# from the step count, so a resumed run must draw the same.
-GALORE = {"name": "galore", "galore": {"projector": "randomized"}}
+# from the step count, so a resumed run must draw the same. Refreshed every step, so the step
+# after the resume point draws a new one (the default gap, 200, would not refresh it).
+GALORE = {"name": "galore", "galore": {"projector": "randomized", "update_proj_gap": 1}}
+
+
+def _galore_projectors(opt_state) -> list[np.ndarray]:
+    states = jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, GaLoreState))
+    return [np.asarray(p) for s in states if isinstance(s, GaLoreState)
+            for p in jax.tree.leaves(s.projector) if np.size(p)]
+
+
+def _baseline_config(name):
+    optimizer = {"lora": LORA, "galore": GALORE}.get(name, {"name": name})
+    return tiny_config({"optimizer": optimizer, "max_steps": 2, "checkpoint": {"every": 1, "keep": 2}})
+
+
+@pytest.fixture(scope="module")
+def straight_runs(tmp_path_factory):
+    """name → (its Trainer, its run trained 2 steps straight, checkpoints 1 and 2), built once per
+    module: the LoRA export test reads the resume test's run instead of training its own."""
+    runs = {}
+
+    def get(name):
+        if name not in runs:
+            trainer = trainer_lib.Trainer(_baseline_config(name))
+            straight = trainer_lib.Run(_baseline_config(name), tmp_path_factory.mktemp(name),
+                                       trainer=trainer)
+            straight.loop()
+            straight.close()
+            runs[name] = trainer, straight
+        return runs[name]
+    return get
 
 
 @pytest.mark.parametrize("name", ["adafactor", "galore", "lora"])
-def test_trains_checkpoints_and_resumes_bit_exactly(name, tmp_path):
+def test_trains_checkpoints_and_resumes_bit_exactly(name, straight_runs, tmp_path):
     """configs/tiny.py with optimizer.name=<name> (GaLore's randomized projector): every parameter
     moves (LoRA: every adapter, and no base weight); stopping after step 1 and resuming ends on the straight run's weights and
     optimizer state, bit for bit."""
-    optimizer = {"lora": LORA, "galore": GALORE}.get(name, {"name": name})
-    config = tiny_config({"optimizer": optimizer, "max_steps": 2,
-                          "checkpoint": {"every": 1, "keep": 2}})
-    trainer = trainer_lib.Trainer(config)
-    straight = trainer_lib.Run(config, tmp_path / "straight", trainer=trainer)
-    straight.loop()
-    straight.close()
+    config = _baseline_config(name)
+    trainer, straight = straight_runs(name)
     initial, end = _flat(trainer.initial_params), _flat(straight.params)
     unchanged = [p for p in end if np.array_equal(end[p], initial[p])]
     if name == "lora":
         assert sorted(unchanged) == sorted(p for p in end if not p.startswith("lora/")), unchanged
     else:
         assert not unchanged, unchanged
-    assert (tmp_path / "straight" / "checkpoints" / "2").is_dir()
+    assert (straight.workdir / "checkpoints" / "2").is_dir()
 
     for steps in (1, 2):
         config.max_steps = steps
         resumed = trainer_lib.Run(config, tmp_path / "resumed", trainer=trainer)
         resumed.loop()
         resumed.close()
+        if steps == 1 and name == "galore":
+            before = _galore_projectors(jax.device_get(resumed.opt_state))
+    if name == "galore":   # the resumed step drew a new projector (and a resume that drew
+        after = _galore_projectors(jax.device_get(resumed.opt_state))   # another would differ below)
+        assert len(before) == len(after) > 0
+        assert all(not np.array_equal(a, b) for a, b in zip(before, after))
     for path, value in _flat(resumed.params).items():
         np.testing.assert_array_equal(value, end[path], err_msg=path)
     state = jax.device_get(resumed.opt_state)
@@ -132,20 +180,16 @@ def test_trains_checkpoints_and_resumes_bit_exactly(name, tmp_path):
     assert any(np.any(np.asarray(x) != 0) for x in jax.tree.leaves(state))   # the state moved too
 
 
-def test_a_lora_run_exports_with_its_adapters_merged(tmp_path):
+def test_a_lora_run_exports_with_its_adapters_merged(straight_runs, tmp_path):
     """A tiny LoRA run (2 steps) exported: transformers computes base + adapters' logits. The
     export reads the run through `restore_policy`, which launch.evaluate uses for every run."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     from logra_jax.export import export_run, restore_policy
 
-    config = tiny_config({"optimizer": LORA, "max_steps": 2})
-    trainer = trainer_lib.Trainer(config)
-    run = trainer_lib.Run(config, tmp_path / "run", trainer=trainer)
-    run.loop()
-    run.close()
-    out, _ = export_run(tmp_path / "run", tmp_path / "hf")
-    step, merged = restore_policy(tmp_path / "run", run.params)
+    trainer, run = straight_runs("lora")
+    out, _ = export_run(run.workdir, tmp_path / "hf")
+    step, merged = restore_policy(run.workdir, run.params)
     assert step == 2 and "lora" not in merged        # the base model's layout, adapters folded in
     reference = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     tokens = np.random.default_rng(0).integers(0, 1000, (2, 10)).astype(np.int32)

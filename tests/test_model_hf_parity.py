@@ -188,7 +188,11 @@ def test_bf16_compute_is_close(checkpoints, tokens):
     fn, state = forward(model)
     ours = np.asarray(fn(state, tokens))
     ref = torch_logits(torch_model, tokens)
-    assert np.abs(ours - ref).max() < 0.1 * np.abs(ref).max()
+    # bf16 weights and activations against transformers in fp32, on random weights: measured a
+    # mean gap of 0.058 and a largest of 0.60 (logits up to 7.9, mean |logit| 1.7; XLA:CPU). A
+    # mean gap under 1e-3 would mean bf16 was not used at all.
+    gap = np.abs(ours - ref)
+    assert 1e-3 < gap.mean() < 0.1 and gap.max() < 1.0, (gap.mean(), gap.max())
 
 
 def test_tokenizer_from_folder_matches_transformers(checkpoints):

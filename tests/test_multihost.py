@@ -90,6 +90,19 @@ def test_two_processes_train_stop_together_resume_and_match_one_process_with_eig
     for a, b in zip(two_rows, one_rows):
         for key in ("reward", "accuracy", "completions/mean_length"):
             assert a[key] == b[key], (a["step"], key)
+    # Each step's loss, gradient norm and entropy: equal to float32 reduction order (the gradient
+    # and the loss's means are summed over the 8 devices through gloo in another order than in
+    # one process; measured ≤ 1.2e-7 relative, about an ulp, XLA:CPU). The tiny config's reward
+    # is the same for every row, so its REINFORCE loss is −A·w̄·(the batch's mean token log-prob),
+    # A changing with the running baseline from step to step: a digest of the sampled tokens'
+    # log-probs, which another token anywhere would move by far more than this tolerance; the
+    # entropy (every position's, over the completions) is another. A gradient wrong by a constant
+    # factor shows in grad_norm (RowAdam and AdamW cancel it in the weights).
+    assert len(two_rows) == len(one_rows) == 3
+    assert len({r["loss"] for r in one_rows}) == 3   # the steps differ: a mix-up would show
+    for a, b in zip(two_rows, one_rows):
+        for key in ("loss", "grad_norm", "entropy"):
+            np.testing.assert_allclose(a[key], b[key], rtol=1e-6, err_msg=f"step {a['step']}: {key}")
 
     # The weights: equal to fp32 rounding. Not bit for bit, by construction: the gradient's
     # all-reduce over the 8 devices sums in another order through gloo than within one process

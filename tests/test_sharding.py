@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 from jax.sharding import AxisType, PartitionSpec as P
@@ -109,7 +110,6 @@ def test_param_shardings_on_a_state_with_untagged_and_mismatched_variables():
 
 
 def test_optimizer_state_inherits_parameter_shardings(model):
-    optax = pytest.importorskip("optax")
     mesh = make_mesh({"fsdp": 4, "tensor": 2})
     optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
     shardings = param_shardings(nnx.state(optimizer), mesh)

@@ -2,6 +2,7 @@
 
 import gc
 import json
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +11,7 @@ import pytest
 
 from configs import tiny
 from logra_jax import config as config_lib, metrics
+from logra_jax.optim import PredictedKLState
 from logra_jax.rl import build
 from logra_jax.rl import trainer as trainer_lib
 from logra_jax.rl.rollout import collect_rollouts
@@ -39,11 +41,54 @@ def test_end_to_end_logs_finite_metrics(name, trainers, tmp_path):
             assert key in row, f"{name}: {key} not logged"
     if name.startswith("logra"):
         assert "logra/predicted_kl" in last and "logra/alpha" in last
+        _assert_the_safeguard_measured_each_step(rows)
         # fp32 targets: almost every entry of a nonzero low-rank update changes its stored value.
         assert all(0.5 < r["logra/changed_fraction"] <= 1.0 for r in rows), rows
     else:
         assert "logra/changed_fraction" not in last
     assert (tmp_path / "checkpoints" / "2").exists()
+
+
+def _assert_the_safeguard_measured_each_step(rows):
+    """The controller's safeguard (optim/predicted_kl.py) measured every candidate in the real
+    update, and what it measured is what the merge then did: an update it did not scale back has
+    the realized KL it checked; one it scaled back by s has s² times that (the budget)."""
+    for row in rows:
+        checked, backoff, realized = row["logra/checked_kl"], row["logra/backoff"], row["logra/realized_kl"]
+        assert checked > 0, row   # 0: the update passed no candidate_kl, nothing was measured
+        # Measured on XLA:CPU: without a back-off within 3e-4 of each other (the candidate leaves
+        # out the merge's rounding and weight decay); s² is the KL's quadratic term only, off by
+        # 3e-4 at s = 0.99 and 2 % at s = 0.3.
+        if backoff == 1.0:
+            np.testing.assert_allclose(realized, checked, rtol=3e-3, err_msg=str(row))
+        else:
+            assert 0 < backoff < 1 and checked > row["logra/effective_budget"], row
+            np.testing.assert_allclose(realized, backoff ** 2 * checked, rtol=0.05, err_msg=str(row))
+
+
+def test_the_safeguard_backs_off_a_step_the_prediction_undershot_inside_the_loop(trainers, tmp_path,
+                                                                                  monkeypatch):
+    """The loop's first update starts from a learned realized/predicted ratio ρ of 0.1 (the lowest
+    it can learn): the corrected prediction undershoots the candidate's KL about tenfold, and the
+    safeguard must bring the applied step back to the budget."""
+    trainer = trainers["logra-grpo"]
+    init_state = trainer.init_state
+
+    def undershooting_state():
+        params, opt_state = init_state()
+        return params, jax.tree.map(
+            lambda s: s._replace(kl_ratio=s.kl_ratio * 0.1) if isinstance(s, PredictedKLState) else s,
+            opt_state, is_leaf=lambda s: isinstance(s, PredictedKLState))
+    monkeypatch.setattr(trainer, "init_state", undershooting_state)
+    run = trainer_lib.Run(make_config("logra-grpo", max_steps=1), tmp_path, trainer=trainer)
+    run.loop()
+    run.close()
+    [row] = metrics.read_jsonl(tmp_path / "metrics.jsonl")
+    assert row["logra/kl_ratio"] != 1.0   # ρ was 0.1 at the step (1 is its initial value)
+    budget = row["logra/effective_budget"]
+    assert row["logra/checked_kl"] > 3 * budget and row["logra/backoff"] < 0.6, row
+    _assert_the_safeguard_measured_each_step([row])
+    np.testing.assert_allclose(row["logra/realized_kl"], budget, rtol=0.05)
 
 
 def test_the_tiny_config_moves_its_weights_every_step(shipped_tiny_trainer, tmp_path):
@@ -101,12 +146,24 @@ RESUME = "logra-kl"  # its updates are never zero (REINFORCE baseline), so a wro
 
 @pytest.fixture(scope="module")
 def straight(trainers, tmp_path_factory):
-    """An uninterrupted 3-step run: what every resumed run must end on, bit for bit."""
-    run = trainer_lib.Run(make_config(RESUME, max_steps=3), tmp_path_factory.mktemp("straight"),
-                          trainer=trainers[RESUME])
+    """An uninterrupted 3-step run: what every resumed run must end on, bit for bit. Checkpointed
+    after every step: tests copy its workdir as it was at an earlier step instead of training to it."""
+    run = trainer_lib.Run(make_config(RESUME, max_steps=3, checkpoint=dict(every=1, keep=3)),
+                          tmp_path_factory.mktemp("straight"), trainer=trainers[RESUME])
     run.loop()
     run.close()
     return run
+
+
+def _straight_until(straight, step: int, workdir):
+    """``workdir`` as the straight run's was after ``step``: its checkpoints and metrics rows up to
+    there (what a run stopped after ``step`` leaves)."""
+    shutil.copytree(straight.workdir, workdir, dirs_exist_ok=True)
+    for later in (workdir / "checkpoints").iterdir():
+        if later.name.isdigit() and int(later.name) > step:
+            shutil.rmtree(later)
+    rows = (workdir / "metrics.jsonl").read_text().splitlines()
+    (workdir / "metrics.jsonl").write_text("".join(row + "\n" for row in rows[:step]))
 
 
 def _run(trainers, workdir, **overrides):
@@ -142,7 +199,7 @@ def test_resume_is_bit_identical(trainers, straight, tmp_path):
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_a_damaged_checkpoint_is_set_aside_and_the_previous_one_resumes(trainers, straight,
                                                                         tmp_path):
-    _run(trainers, tmp_path, max_steps=2, checkpoint=dict(every=1, keep=3))
+    _straight_until(straight, 2, tmp_path)
     ckpts = tmp_path / "checkpoints"
     victim = max((f for f in (ckpts / "2").rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
     victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])   # a torn write
@@ -189,8 +246,8 @@ def test_a_refused_resume_leaves_the_workdir_resumable(trainers, tmp_path):
     assert json.loads((tmp_path / "config.json").read_text())["max_steps"] == 2
 
 
-def test_max_steps_already_reached_trains_nothing(trainers, tmp_path):
-    _run(trainers, tmp_path, max_steps=2)
+def test_max_steps_already_reached_trains_nothing(trainers, straight, tmp_path):
+    _straight_until(straight, 2, tmp_path)
     rows = metrics.read_jsonl(tmp_path / "metrics.jsonl")
     run = trainer_lib.Run(make_config(RESUME, max_steps=1), tmp_path, trainer=trainers[RESUME])
     assert run.loop() == {}

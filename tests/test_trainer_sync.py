@@ -1,6 +1,8 @@
 """The loop with its rollout engine: every sync mode on its own devices and colocated, and bf16
 weights with stochastic-rounding merges, train, resume and sync bit-exactly (tiny config)."""
 
+import shutil
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -56,21 +58,34 @@ def test_sync_modes_with_and_without_rollout_devices(mode, rollout_devices, vari
     assert moved > 0  # the updates did move the bf16 weights the sampler holds
 
 
-@pytest.mark.parametrize("name, mode", [("logra-grpo", "sparse"), ("logra-kl", "factors")])
-def test_bf16_weights_train_resume_and_sync_bit_exact(name, mode, tmp_path):
-    """model.param_dtype=bfloat16 with stochastic-rounding merges: the target kernels are bf16 in
-    memory and in checkpoints and they move; a receiver that holds only bf16 weights (factors
-    without a master copy; sparse, which never needs one) ends on the trainer's bits, sending no
-    more than a full sync; a resumed run ends on the same bits as a straight one (the rounding bits
-    come from A's key)."""
-    config = make_config(name, max_steps=2, model=dict(param_dtype="bfloat16"),
-                         optimizer=dict(logra=dict(kl_control=name == "logra-kl")),
-                         sync=dict(mode=mode, rollout_devices=4, master_copy=False),
-                         checkpoint=dict(every=1, keep=3))
-    trainer = trainer_lib.Trainer(config)
-    straight = trainer_lib.Run(config, tmp_path / "straight", trainer=trainer)
+BF16 = {"logra-grpo": "sparse", "logra-kl": "factors"}
+
+
+def _bf16_config(name):
+    return make_config(name, max_steps=2, model=dict(param_dtype="bfloat16"),
+                       optimizer=dict(logra=dict(kl_control=name == "logra-kl")),
+                       sync=dict(mode=BF16[name], rollout_devices=4, master_copy=False),
+                       checkpoint=dict(every=1, keep=3))
+
+
+@pytest.fixture(scope="module", params=list(BF16))
+def bf16_straight(request, tmp_path_factory):
+    """model.param_dtype=bfloat16 with stochastic-rounding merges, 2 steps straight: (name, its
+    Trainer, the finished Run)."""
+    name = request.param
+    trainer = trainer_lib.Trainer(_bf16_config(name))
+    straight = trainer_lib.Run(_bf16_config(name), tmp_path_factory.mktemp(f"straight-{name}"),
+                               trainer=trainer)
     straight.loop()
     straight.close()
+    return name, trainer, straight
+
+
+def test_bf16_weights_train_and_sync_bit_exact(bf16_straight):
+    """The target kernels are bf16 in memory and in checkpoints and they move; a receiver that
+    holds only bf16 weights (factors without a master copy; sparse, which never needs one) ends on
+    the trainer's bits, sending no more than a full sync."""
+    name, trainer, straight = bf16_straight
     end = _flat(straight.params)
     is_target = trainer.sketch.is_target
     initial = _flat(trainer.initial_params)
@@ -78,25 +93,33 @@ def test_bf16_weights_train_resume_and_sync_bit_exact(name, mode, tmp_path):
         if is_target(path):
             assert value.dtype == jnp.bfloat16, path
             assert not np.array_equal(value, initial[path]), f"{path} did not move"
-    assert straight.engine.mode == mode
-    for row in metrics.read_jsonl(tmp_path / "straight" / "metrics.jsonl"):
+    assert straight.engine.mode == BF16[name]
+    for row in metrics.read_jsonl(straight.workdir / "metrics.jsonl"):
         assert 0 < row["logra/sync_bytes"] <= row["logra/sync_bytes_full"]
     engine = _flat(straight.engine.params)
     for path in end:
         np.testing.assert_array_equal(engine[path], end[path].astype(engine[path].dtype), err_msg=path)
-    saved = trainer_lib.checkpoint_lib.Checkpointer(tmp_path / "straight" / "checkpoints")
+    saved = trainer_lib.checkpoint_lib.Checkpointer(straight.workdir / "checkpoints")
     restored = _flat(saved.restore_params(2, trainer.init_state()[0]))
     saved.close()
     assert {restored[p].dtype for p in restored if is_target(p)} == {jnp.dtype(jnp.bfloat16)}
 
-    if name != "logra-kl":
-        return   # the resume path is the same for both variants; one of them pays for it
-    resumed_dir = tmp_path / "resumed"
-    for steps in (1, 2):
-        config.unlock()
-        config.max_steps = steps
-        run = trainer_lib.Run(config, resumed_dir, trainer=trainer)
-        run.loop()
-        run.close()
+
+def test_bf16_weights_resume_bit_exact(bf16_straight, tmp_path):
+    """The straight run's workdir as it was after step 1 (its checkpoint 1 and first metrics row),
+    resumed: the run ends on the straight run's bits — the stochastic rounding's bits come from
+    A's key, and the GRPO variant's AdamW state (on bf16 weights) and the KL variant's controller
+    state come back from the checkpoint."""
+    name, trainer, straight = bf16_straight
+    workdir = tmp_path / "resumed"
+    shutil.copytree(straight.workdir, workdir)
+    shutil.rmtree(workdir / "checkpoints" / "2")
+    rows = (workdir / "metrics.jsonl").read_text().splitlines()
+    (workdir / "metrics.jsonl").write_text(rows[0] + "\n")
+    run = trainer_lib.Run(_bf16_config(name), workdir, trainer=trainer)
+    run.loop()
+    run.close()
+    assert [r["step"] for r in metrics.read_jsonl(workdir / "metrics.jsonl")] == [1, 2]
+    end = _flat(straight.params)
     for path, value in _flat(run.params).items():
         np.testing.assert_array_equal(value, end[path], err_msg=path)

@@ -4,6 +4,7 @@ run left is overwritten before the new run is known to continue it (logra_jax/rl
 Everything here is refused before the model is built: `no_model` makes building one a failure, so
 each test also checks that the refusal comes first (and stays fast)."""
 
+import gc
 import json
 import os
 import pathlib
@@ -92,6 +93,35 @@ def test_the_lock_is_held_for_the_runs_life_and_released_by_close(tmp_path, no_m
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')   # refused after taking the lock
     assert "no checkpoint to resume them from" in _refusal(tiny_config(), tmp_path)
     workdir_lib.WorkdirLock(tmp_path).acquire().release()      # ... and released it
+
+
+def test_a_live_run_holds_the_lock_until_it_is_closed(tmp_path, shipped_tiny_trainer, monkeypatch):
+    """A built Run — after garbage collection, and again inside its loop — refuses a second
+    acquire naming this process; after close() the lock is granted. The loop is stopped at its
+    first rollout, before anything compiles."""
+    class Stop(Exception):
+        pass
+
+    refusals = []
+
+    def first_rollout(*args, **kwargs):
+        with pytest.raises(ValueError, match=f"is in use by another run \\(pid {os.getpid()} on host") as e:
+            workdir_lib.WorkdirLock(tmp_path).acquire()
+        refusals.append(str(e.value))
+        raise Stop
+
+    monkeypatch.setattr(trainer_lib, "collect_rollouts", first_rollout)
+    run = trainer_lib.Run(tiny_config(), tmp_path, trainer=shipped_tiny_trainer)
+    try:
+        gc.collect()   # a lock only the garbage holds would be released here
+        with pytest.raises(ValueError, match=f"pid {os.getpid()} on host"):
+            workdir_lib.WorkdirLock(tmp_path).acquire()
+        with pytest.raises(Stop):
+            run.loop()
+        assert len(refusals) == 1
+    finally:
+        run.close()
+    workdir_lib.WorkdirLock(tmp_path).acquire().release()
 
 
 def test_an_empty_workdir_is_refused(tmp_path, no_model, monkeypatch):

@@ -84,11 +84,16 @@ def test_predicted_kl_matches_exact_kl_after_a_small_step(setup, scale):
 
 
 def test_frozen_others_skips_their_tangent(setup):
-    update = setup["candidate"](1e-3, with_others=False)
+    """With others_frozen the candidate's other-weights updates (nonzero here) are not part of
+    the prediction: it is the prediction of the same targets' update alone — and that differs
+    from the prediction with the other weights, so ignoring the flag would show."""
+    update = setup["candidate"](1e-3)
+    targets_only = float(setup["predict"](setup["candidate"](1e-3, with_others=False)))
     frozen = make_predict_kl(setup["probe_logits"], setup["others"],
                              probe_factors(setup["probes"]), setup["mask"], TEMPERATURE,
                              others_frozen=True)
-    np.testing.assert_allclose(float(frozen(update)), float(setup["predict"](update)), rtol=1e-5)
+    np.testing.assert_allclose(float(frozen(update)), targets_only, rtol=1e-5)
+    assert abs(float(setup["predict"](update)) - targets_only) > 0.1 * targets_only
 
 
 def test_alpha_brings_the_realized_kl_to_the_budget(setup):
