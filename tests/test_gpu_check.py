@@ -17,6 +17,7 @@ from configs import base
 from logra_jax import model_shapes
 from logra_jax.models import gguf_loader
 from logra_jax.rl import build
+from process_env import without_device_count
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -26,8 +27,7 @@ def test_gpu_check_on_cpu_writes_its_tables_and_an_update_that_does_not_fit(tmp_
     updates are refused by XLA:CPU's plan, each with XLA's own figure, and every other part leaves
     its figures in gpu_check.json and gpu_check.md."""
     out = tmp_path / "out"
-    env = dict(os.environ, ALLOW_CPU="1")
-    env.pop("XLA_FLAGS", None)     # the parts set their own device counts
+    env = without_device_count(ALLOW_CPU="1")   # the parts set their own device counts
     env.pop("XLA_PYTHON_CLIENT_MEM_FRACTION", None)
     done = subprocess.run([sys.executable, "-m", "launch.gpu_check", "--out", str(out),
                            "--memory_budget_gib", "0.001"], cwd=ROOT, env=env,
