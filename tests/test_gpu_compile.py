@@ -40,21 +40,30 @@ def _memory_cli(*args, tmp_path, env=None):
     return result, (json.loads(out.read_text()) if out.exists() else None)
 
 
+TINY_LAYERS = ("--config.model.tiny.num_layers=768", "--config.model.tiny.hidden_size=2048",
+               "--config.model.tiny.intermediate_size=8192")
+
+
 @pytest.fixture(scope="module")
 def tiny_on_gpus(tmp_path_factory):
-    """The tiny config's update and sampler compiled for 8 H100s, with AdamW beside it. The model
-    is 1024 layers deep, 2048 wide with an 8192-wide MLP (52 B parameters, no arrays): LoGRA with
-    bf16 weights fits an H100's allocator limit, AdamW's fp32 weights, moments and gradients (16
-    bytes a parameter, 97 GiB per GPU before activations) do not. Deep rather than wide: the
-    layers are one scanned body, compiled once."""
-    return _memory_cli("--target", TARGET, "--compare", "adamw", "--config.model.param_dtype=bfloat16",
-                       "--config.model.tiny.num_layers=1024", "--config.model.tiny.hidden_size=2048",
-                       "--config.model.tiny.intermediate_size=8192",
-                       tmp_path=tmp_path_factory.mktemp("gpu"))
+    """The tiny config's update and sampler compiled for 8 H100s, with AdamW beside it, laid out
+    as the large configs are: fp32 master weights, bf16 compute, remat. The model is 768 layers
+    deep, 2048 wide with an 8192-wide MLP (39 B parameters, no arrays): LoGRA fits an H100's
+    allocator limit (about 31 GiB), AdamW's fp32 weights, moments and gradients (16 bytes a
+    parameter, 72 GiB per GPU before activations; about 112 GiB in all) do not (at 512 layers
+    AdamW's 75.0 GiB fitted the 75.2 allowed). Deep rather than wide: the layers are one scanned body,
+    compiled once. XLA's dump of each optimized update is kept (``<tmp>/hlo``) for the cast test."""
+    folder = tmp_path_factory.mktemp("gpu")
+    env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={folder / 'hlo'} "
+               "--xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*_step_impl.*")
+    result, plan = _memory_cli("--target", TARGET, "--compare", "adamw", "--config.model.dtype=bfloat16",
+                               "--config.model.param_dtype=float32", "--config.model.remat=True",
+                               *TINY_LAYERS, tmp_path=folder, env=env)
+    return result, plan, folder / "hlo"
 
 
 def test_tiny_update_and_sampler_compile_for_a_gpu_node(tiny_on_gpus):
-    result, plan = tiny_on_gpus
+    result, plan, _ = tiny_on_gpus
     assert result.returncode == 0, result.stderr[-3000:]
     header = next(line for line in result.stdout.splitlines() if line.startswith("compiler:"))
     assert header.startswith(f"compiler: XLA:GPU deviceless, jax-cuda12-plugin {gpu.plugin_version()} "
@@ -69,8 +78,7 @@ def test_tiny_update_and_sampler_compile_for_a_gpu_node(tiny_on_gpus):
     # The rollout phase is the compiled generate: weights among its arguments, a KV cache and
     # logits among its temporaries.
     assert rollout["arguments"] >= rollout["weights"] > 0 and rollout["temporaries"] > 0
-    # XLA:GPU's plan is the program's: arguments are the bf16 weights' shards XLA counts, 52 B
-    # parameters over 8 GPUs (params from shapes agree with the executable's arguments).
+    # XLA:GPU's arguments are the weights' shards and the optimizer state the shapes describe.
     assert step["params"] <= step["arguments"] <= 1.05 * (step["params"] + step["opt_state"] + step["batch"])
     assert any(line.startswith("fits: logra needs ") for line in result.stdout.splitlines())
     # No driver-less CUDA log lines and no XLA INFO lines on a machine without a GPU.
@@ -82,19 +90,18 @@ def test_a_column_over_the_gpus_memory_does_not_fit(tiny_on_gpus):
     """XLA:GPU plans AdamW's update past an H100's memory without refusing it; the verdict is
     drawn from the plan: one "does not fit" line with the need and the allocator's limit, the
     LoGRA column's table intact, and the run's own column (LoGRA, which fits) decides the exit."""
-    result, plan = tiny_on_gpus
+    result, plan, _ = tiny_on_gpus
     limit = targets.target(TARGET).memory_per_device
     assert plan["refused"] == {}   # XLA:GPU refuses nothing
-    adamw = plan["footprint"]["adamw/fp32"]["total"]
+    adamw = plan["footprint"]["adamw"]["total"]
     assert adamw > limit > plan["footprint"]["logra"]["total"]
     last = result.stdout.strip().splitlines()[-1]
-    assert last.startswith(f"does not fit: adamw/fp32 needs {adamw / 2 ** 30:.2f} GiB of "
+    assert last.startswith(f"does not fit: adamw needs {adamw / 2 ** 30:.2f} GiB of "
                            f"{limit / 2 ** 30:.1f} GiB (95% of "), last
     assert "per GPU on h100-8" in last
-    # At least AdamW's fp32 weights and two moments: 12 bytes a parameter, where LoGRA's bf16
-    # weights are 2.
+    # At least AdamW's fp32 weights and two moments: 12 bytes a parameter, 3× LoGRA's fp32 weights.
     logra, dense = plan["steps"]
-    assert dense["peak"] > 12 / 2 * logra["params"]
+    assert dense["peak"] > 3 * logra["params"]
 
 
 def test_the_allocator_fraction_is_the_budget(tmp_path, monkeypatch):
@@ -118,10 +125,9 @@ def test_the_node_splits_the_weights_over_its_gpus(tiny_on_gpus):
     from logra_jax import model_shapes
     from logra_jax.perf import memory
     from logra_jax.rl.build import build_mesh
-    _, plan = tiny_on_gpus
+    _, plan, _ = tiny_on_gpus
     config = tiny.get_config()
-    config.model.update(param_dtype="bfloat16")
-    config.model.tiny.update(num_layers=1024, hidden_size=2048, intermediate_size=8192)
+    config.model.tiny.update(num_layers=768, hidden_size=2048, intermediate_size=8192)
     model = memory.abstract_model(model_shapes.model_config_from(config.model))
     whole = memory.device_bytes(memory.abstract_params(model, build_mesh({"fsdp": 1, "tensor": 1},
                                                                         jax.devices("cpu")[:1])))
@@ -152,22 +158,19 @@ def test_the_xla_cpu_barriers_stay_out_of_gpu_programs(monkeypatch):
     assert barriers(gpus) > 0
 
 
-def test_our_fp32_update_casts_no_whole_stack_for_a_gpu(tmp_path):
-    """fp32 master weights under bf16 compute, compiled by XLA:GPU: each layer's weights are cast
-    as the layer scan reaches them; no bf16 copy of a whole [layers, in, out] stack is made before
-    the loops (the copy the TPU compiler's bfloat16 propagation makes unless told not to:
-    tests/test_tpu_casts.py)."""
-    from configs import tiny
-    from logra_jax.perf import memory
-    from logra_jax.rl.build import build_mesh
-    config = tiny.get_config()
-    config.model.update(dtype="bfloat16", param_dtype="float32", remat=True)
-    devices = targets.target(TARGET).jax_devices()
-    memory.update_step_memory(config, build_mesh({"fsdp": 8, "tensor": 1}, devices), micro_steps=1,
-                              dump_dir=tmp_path)
-    text = next(tmp_path.glob("*_step_impl*after_optimizations.txt")).read_text()
-    assert re.search(r"f32\[2,\d+,\d+\]\S* parameter\(", text)   # the fp32 stacks are there
-    assert not re.findall(r"bf16\[2,\d+,\d+\]\S* convert\(%param[.\d]*\)", text)
+def test_our_fp32_updates_cast_no_whole_stack_for_a_gpu(tiny_on_gpus):
+    """fp32 master weights under bf16 compute, compiled by XLA:GPU (the fixture's LoGRA and AdamW
+    updates): each layer's weights are cast as the layer scan reaches them; no bf16 copy of a whole
+    [layers, in, out] stack is made before the loops (the copy the TPU compiler's bfloat16
+    propagation makes unless told not to: tests/test_tpu_casts.py)."""
+    _, _, dumps = tiny_on_gpus
+    programs = sorted(dumps.glob("*_step_impl*after_optimizations.txt"))
+    assert len(programs) == 2   # LoGRA's update and AdamW's
+    for program in programs:
+        text = program.read_text()
+        assert re.search(r"f32\[768,\d+,\d+\]\S* parameter\(", text)   # the fp32 stacks are there
+        # (a bf16 [768, in, out] array made by a convert, of a parameter or of a fusion's operand)
+        assert not re.findall(r"bf16\[768,\d+,\d+\]\S* convert\(", text), program.name
 
 
 def _distinct_updates() -> list[str]:
@@ -211,3 +214,21 @@ def test_every_shipped_config_lowers_for_a_gpu_node(name, monkeypatch):
     mesh = build_mesh({"fsdp": 8, "tensor": 1}, targets.target(TARGET).jax_devices())
     text = memory.lower_update(config, mesh, micro_steps=1).lowered.as_text()
     assert "callback" not in text
+
+
+def test_the_unattended_table_judges_a_gpu_cell(tiny_on_gpus, tmp_path):
+    """launch.memory_table over GPU nodes: each column's footprint and peak from its JSON, marked
+    ✗ over the GPU's allocator limit (XLA:GPU refuses nothing, so nothing reads "refused"), and
+    the run it makes for a node: one sequence per GPU per micro-step."""
+    from launch import memory_table
+    _, plan, _ = tiny_on_gpus
+    for column in ("logra:fp32", "adamw"):
+        name = memory_table.cell_name("configs/tiny.py", TARGET, column)
+        (tmp_path / f"{name}.json").write_text(json.dumps(plan))
+    text = memory_table.table(["configs/tiny.py"], [TARGET], ["logra:fp32", "adamw"], tmp_path)
+    logra, adamw = (plan["footprint"][label]["total"] / 2 ** 30 for label in ("logra", "adamw"))
+    assert f"| tiny | {TARGET} | {logra:.2f} (" in text
+    assert re.search(rf"\| {adamw:.2f} \(\d+\.\d+\) ✗ \|", text)
+    assert text.endswith(f"fits: {TARGET}: tiny.")
+    args = memory_table.command("configs/gemma3_27b.py", "b200-8", "adamw", tmp_path / "c.json")
+    assert args[args.index("--target") + 1] == "b200-8" and "--config.rl.micro_batch_size=8" in args

@@ -27,8 +27,8 @@ import importlib.resources
 import os
 import re
 
-from logra_jax.perf import targets
-from logra_jax.perf.targets import gib_text
+from logra_jax.perf import target as target_lib
+from logra_jax.perf.target import gib_text
 
 EXTRA = "pip install -e '.[gpu-plan]'"
 PLUGIN = "jax-cuda12-plugin"
@@ -95,7 +95,7 @@ def mem_fraction() -> float:
 
 
 @dataclasses.dataclass(frozen=True)
-class Node(targets.Target):
+class Node(target_lib.Target):
     """``hosts`` nodes of ``gpus_per_host`` GPUs of one model, NVLink within a node."""
 
     name: str

@@ -18,9 +18,9 @@ import dataclasses
 import importlib.metadata
 import os
 
-from logra_jax.perf import targets
+from logra_jax.perf import target as target_lib
 # Where callers of this module found them before GPU nodes joined: the refusal is the TPU compiler's.
-from logra_jax.perf.targets import DoesNotFit, compile_or_refuse, gib_text  # noqa: F401
+from logra_jax.perf.target import DoesNotFit, compile_or_refuse, gib_text  # noqa: F401
 
 GIB = 2 ** 30
 
@@ -46,7 +46,7 @@ CHIPS = {
 
 
 @dataclasses.dataclass(frozen=True)
-class Slice(targets.Target):
+class Slice(target_lib.Target):
     """One TPU slice: its Cloud name, topology (as ``get_topology_desc`` reads it) and chips."""
 
     name: str
