@@ -232,3 +232,9 @@ def test_the_unattended_table_judges_a_gpu_cell(tiny_on_gpus, tmp_path):
     assert text.endswith(f"fits: {TARGET}: tiny.")
     args = memory_table.command("configs/gemma3_27b.py", "b200-8", "adamw", tmp_path / "c.json")
     assert args[args.index("--target") + 1] == "b200-8" and "--config.rl.micro_batch_size=8" in args
+
+
+def test_without_the_plugin_a_gpu_target_names_the_extra(monkeypatch):
+    monkeypatch.setattr(gpu, "plugin_version", lambda: None)
+    with pytest.raises(ValueError, match=r"XLA:GPU, which comes with the CUDA plugin: pip install -e '\.\[gpu-plan\]'"):
+        targets.target(TARGET).jax_devices()
