@@ -1,18 +1,22 @@
 """Per-device memory of one policy update and of the whole RL loop, ahead of time, on this machine.
 
-    python -m launch.memory --config configs/qwen2_5_7b_gsm8k.py [--target cpu|v5p-16|v6e-8|...] \
+    python -m launch.memory --config configs/qwen2_5_7b_gsm8k.py [--target cpu|h100-8|v5p-16|...] \
         [--mesh fsdp=4,tensor=1] [--optimizer logra|adamw|adafactor|galore] \
         [--compare adamw[,adafactor,galore,logra:fp32,...]] [--micro_steps N] [--compile_rollout] \
         [--rollout_devices N] [--hosts H] [--explain 15] [--json out.json] [--config.key=value ...]
 
-``--target cpu`` (default): XLA:CPU on simulated CPU devices. ``--target v5p-16`` (any Cloud TPU
-name perf/tpu.py lists): the TPU compiler (libtpu, the ``tpu`` extra) compiles for that slice's
-devices, FSDP over all of them unless ``--mesh`` says otherwise, and also compiles the sampler's
-``generate`` for the rollout batch, so the rollout phase is the compiler's figure too. The header
-names the compiler (and the slice, its chips, HBM and libtpu version); for a TPU target the last
-lines say whether each column's RL footprint fits a device's HBM, and the compiler's own refusal
-of an over-budget program is one "does not fit: ... needs X of Y" line. The run exits 1 when the
-config's own column does not fit; a ``--compare`` column the compiler refuses (dense AdamW of a 70B
+``--target cpu`` (default): XLA:CPU on simulated CPU devices. Any other target is a machine this
+one compiles for without having it (perf/targets.py): a GPU node, ``a100-80gb-8``, ``h100-8``,
+``h200-8``, ``b200-8`` (XLA:GPU, the ``gpu-plan`` extra; perf/gpu.py), or a Cloud TPU slice,
+``v5p-16``, ``v6e-8``, ... (the TPU compiler, the ``tpu`` extra; perf/tpu.py). The program is
+compiled for the target's devices, FSDP over all of them unless ``--mesh`` says otherwise, and so is
+the sampler's ``generate`` for the rollout batch, so the rollout phase is the compiler's figure
+too. The header names the compiler and its version and the hardware; the last lines say whether
+each column's RL footprint fits a device's memory (a TPU's HBM, a GPU's allocator limit):
+"fits: ..." or "does not fit: <column> needs X GiB of Y ...". XLA:GPU plans past a device's
+memory (it warns and goes on), so its verdict is drawn from the plan; the TPU compiler refuses an
+over-budget program itself, and its refusal is the "does not fit" line. The run exits 1 when the
+config's own column does not fit; a ``--compare`` column that does not (dense AdamW of a 70B
 model on 8 chips) keeps its "does not fit" line and its figure in the ratio line, and the columns
 that fit still make the table.
 
@@ -29,13 +33,15 @@ weights and moments (bf16-weight AdamW is not offered). Each extra column ends i
 
 Before the ratio lines, a cost line per column: the update's matmul FLOPs per device with every loop counted as it
 runs (`perf/matmul_count.py`), XLA's bytes accessed (its cost analysis counts a loop body once: a
-lower bound) and, for a TPU target, the roofline lower bound max(FLOPs / peak bf16 FLOP/s, bytes /
-HBM bandwidth) from the chip's published figures; and the FLOPs ratio to the first column.
+lower bound) and, for an accelerator target, the roofline lower bound max(FLOPs / peak bf16 FLOP/s, bytes /
+bandwidth) from the device's published figures; and the FLOPs ratio to the first column (XLA:GPU
+compiled without a GPU reports no bytes accessed: its bound is the compute one).
 ``--explain N`` also lists the N largest buffers live at each peak, named by the JAX op or parameter
 path that made each one (bytes two values share counted once).
-``--hosts H`` plans a mesh that spans H hosts (``--mesh fsdp=16 --hosts 2``: 2 × 8 GPUs): a device's
-memory does not depend on which process drives it, so the table is per device as always, and the
-header adds each host's share.
+``--hosts H`` plans a mesh that spans H hosts (``--target h100-8 --hosts 2``: 2 nodes of 8 GPUs,
+16 devices; a TPU slice's hosts are already in its name): a device's memory does not depend on
+which process drives it, so the table is per device as always, and the header adds each host's
+share.
 """
 
 import math
@@ -92,14 +98,15 @@ _NO_LICM = flags.DEFINE_bool("no_licm", False,
                              "(bf16 dots run in f32 here, natively on GPUs). For bf16-weight plans.")
 _JSON = flags.DEFINE_string("json", None, "Also write the numbers (bytes) to this JSON file.")
 _TARGET = flags.DEFINE_string(
-    "target", "cpu", "Compile for: cpu (XLA:CPU on simulated devices) or a TPU slice, compiled by "
-    "the TPU compiler on this machine (libtpu, the 'tpu' extra): v4-8, v5p-8, v5p-16, v5p-32, "
-    "v5p-64, v5e-8, v6e-8, v6e-16, tpu7x-8, ... (Cloud TPU names; FSDP over all devices unless "
-    "--mesh says otherwise).")
+    "target", "cpu", "Compile for: cpu (XLA:CPU on simulated devices); a GPU node, compiled by "
+    "XLA:GPU on this machine (the CUDA plugin, the 'gpu-plan' extra): a100-80gb-8, h100-8, h200-8, "
+    "b200-8; or a TPU slice, compiled by the TPU compiler (libtpu, the 'tpu' extra): v4-8, v5p-8, "
+    "v5p-16, v5p-32, v5p-64, v5e-8, v6e-8, v6e-16, tpu7x-8, ... (Cloud TPU names). FSDP over all "
+    "devices unless --mesh says otherwise.")
 _ROLLOUT_COMPILE = flags.DEFINE_bool(
     "compile_rollout", None, "Also compile the sampler's generate for the rollout batch, so the "
     "rollout phase is the compiler's figure, not weights + KV cache from shapes (default: on for "
-    "TPU targets, off for cpu).")
+    "GPU and TPU targets, off for cpu).")
 flags.mark_flags_as_required(["config"])
 
 
@@ -136,11 +143,11 @@ def devices_per_host(mesh_size: int, hosts: int) -> int:
 def measure(config, cols, mesh_sizes, rollout_devices, micro_steps, explain, hoist=True, hosts=1,
             devices=None, compile_rollout=False):
     """(mesh, [StepMemory], [LoopMemory], [RolloutMemory] or None, {label: peak breakdown},
-    {label: tpu.DoesNotFit}) for the columns ``cols``. A column whose update or sampler the TPU
+    {label: targets.DoesNotFit}) for the columns ``cols``. A column whose update or sampler the TPU
     compiler refuses is left out of the lists and kept with the refusal (its figure is the
     compiler's "needs X of Y"), so the columns that fit still make a table."""
     import jax
-    from logra_jax.perf import memory, tpu
+    from logra_jax.perf import memory, targets
     from logra_jax.rl.build import build_mesh
 
     devices = jax.devices() if devices is None else devices
@@ -164,9 +171,9 @@ def measure(config, cols, mesh_sizes, rollout_devices, micro_steps, explain, hoi
                 if kind not in generate:
                     try:
                         generate[kind] = memory.rollout_step_memory(run, rollout)
-                    except tpu.DoesNotFit as e:
+                    except targets.DoesNotFit as e:
                         generate[kind] = e
-                if isinstance(generate[kind], tpu.DoesNotFit):
+                if isinstance(generate[kind], targets.DoesNotFit):
                     raise generate[kind]
             if explain:
                 with tempfile.TemporaryDirectory() as dump:
@@ -177,7 +184,7 @@ def measure(config, cols, mesh_sizes, rollout_devices, micro_steps, explain, hoi
             else:
                 step = memory.update_step_memory(run, mesh, micro_steps=micro_steps, label=label,
                                                  hoist_invariants=hoist)
-        except tpu.DoesNotFit as e:
+        except targets.DoesNotFit as e:
             refused[label] = e
             continue
         if compile_rollout:
@@ -189,28 +196,29 @@ def measure(config, cols, mesh_sizes, rollout_devices, micro_steps, explain, hoi
 
 def refusal_line(refusal, target_name: str) -> str:
     """The TPU compiler's refusal of a column's program as one line."""
-    from logra_jax.perf import tpu
+    from logra_jax.perf.targets import gib_text
     lever = ("; rollouts in smaller passes hold one pass's KV cache: "
              "--config.rl.rollout_micro_batch=N, N dividing the rows"
              if refusal.program.startswith("the sampler's generate") else "")
-    return (f"does not fit: {refusal.program} needs {tpu.gib_text(refusal.needed)} of "
-            f"{tpu.gib_text(refusal.available)} HBM per device on {target_name}{lever} (the TPU "
+    return (f"does not fit: {refusal.program} needs {gib_text(refusal.needed)} of "
+            f"{gib_text(refusal.available)} HBM per device on {target_name}{lever} (the TPU "
             f"compiler's refusal: {refusal})")
 
 
 def cost_lines(steps, target) -> list[str]:
     """Each update's cost per device: its matmul FLOPs (loops as they run), XLA's bytes accessed
-    (loop bodies counted once, so a lower bound) and, for a TPU target, the roofline lower bound
-    max(FLOPs / peak bf16 FLOP/s, bytes / HBM bandwidth) from the chip's published figures."""
-    from logra_jax.perf import tpu
+    (loop bodies counted once, so a lower bound) and, for an accelerator target, the roofline lower
+    bound max(FLOPs / peak bf16 FLOP/s, bytes / bandwidth) from the device's published figures."""
     lines = []
     for s in steps:
+        accessed = (f"≥ {s.bytes_accessed:.3e} bytes accessed (XLA, loop bodies once)"
+                    if s.bytes_accessed else "bytes accessed not reported by this compiler")
         line = (f"cost per device: {s.optimizer} {s.flops:.3e} matmul FLOPs per update (loops as "
-                f"they run), ≥ {s.bytes_accessed:.3e} bytes accessed (XLA, loop bodies once)")
+                f"they run), {accessed}")
         if target is not None:
-            bound = tpu.roofline_seconds(s.flops, s.bytes_accessed, target)
+            bound = target.roofline_seconds(s.flops, s.bytes_accessed)
             kind = "compute" if bound["compute"] >= bound["memory"] else "memory"
-            line += (f"; roofline ≥ {bound['bound']:.3g} s on {target.generation} "
+            line += (f"; roofline ≥ {bound['bound']:.3g} s on {target.family} "
                      f"({kind}-bound; a lower bound, not a prediction)")
         lines.append(line)
     a = steps[0]
@@ -220,36 +228,43 @@ def cost_lines(steps, target) -> list[str]:
 
 
 def target_header(target, mesh) -> str:
-    """Which compiler made the numbers: XLA:CPU's simulated devices, or the TPU slice and libtpu."""
+    """Which compiler made the numbers, and for which hardware: XLA:CPU's simulated devices, or a
+    target's compiler and version and its devices (their kind as the compiler named them)."""
     import jax
     if target is None:
         return f"compiler: XLA:CPU (jax {jax.__version__}), {mesh.size} simulated CPU devices"
-    from logra_jax.perf import tpu
-    chips = mesh.size // target.chip.devices_per_chip
-    return (f"compiler: TPU, libtpu {tpu.libtpu_version()} (jax {jax.__version__}); target "
-            f"{target.name} = topology {target.topology}, {target.chips} chips × "
-            f"{tpu.gib_text(target.chip.hbm)} HBM, {target.devices} devices "
-            f"'{mesh.devices.flat[0].device_kind}' ({tpu.gib_text(target.hbm_per_device)} each); "
-            f"training mesh uses {mesh.size} devices ({chips} chips)")
+    return (f"compiler: {target.compiler()}; {target.describe(mesh.size)}; devices "
+            f"'{mesh.devices.flat[0].device_kind}'")
+
+
+def fit_line(target, label: str, footprint: dict, peak: int) -> tuple[bool, str]:
+    """(fits, "fits: ..." or "does not fit: <label> needs X GiB of Y ...") for a column's RL
+    footprint against the memory a program may use on one of ``target``'s devices."""
+    from logra_jax.perf import memory
+    fits = footprint["total"] <= target.memory_per_device
+    return fits, (f"{'fits' if fits else 'does not fit'}: {label} needs "
+                  f"{memory.gib(footprint['total'])} GiB of {target.memory_text} per "
+                  f"{target.unit} on {target.name} (RL footprint; update peak {memory.gib(peak)} "
+                  f"GiB; {target.judge})")
 
 
 def main(argv):
     del argv
-    from logra_jax.perf import memory, tpu
+    from logra_jax.perf import memory, targets
 
     config = _CONFIG.value
     target, devices = None, None
     try:
         if _TARGET.value != "cpu":
-            target = tpu.target(_TARGET.value)
-            devices = tpu.devices(target)
+            target = targets.target(_TARGET.value).with_hosts(_HOSTS.value)
+            devices = target.jax_devices()
         if _OPTIMIZER.value:
             config.optimizer.name = _OPTIMIZER.value
         cols = memory.columns(config, _COMPARE.value)
         rollout_devices = rollout_devices_of(config, _ROLLOUT.value)
         if _MESH.value:
             mesh_sizes = parse_mesh(_MESH.value)
-        elif target is not None:   # a config's mesh is its GPU node's; a slice shards over all
+        elif target is not None:   # a config's mesh is its own layout; a target shards over all
             mesh_sizes = {"fsdp": len(devices) - rollout_devices, "tensor": 1}
         else:
             mesh_sizes = dict(config.mesh)
@@ -265,13 +280,15 @@ def main(argv):
     own = cols[0][0]   # the config's own column: its refusal is the run's verdict, printed last
     refusals = {label: {"program": e.program, "needed": e.needed, "available": e.available}
                 for label, e in refused.items()}
+    record = {"target": target.name if target else "cpu", "hosts": _HOSTS.value,
+              "compiler": target.compiler() if target else "XLA:CPU",
+              "memory_per_device": target.memory_per_device if target else None,
+              "unit": target.unit if target else "device",
+              "param_dtype": config.model.param_dtype, "refused": refusals}
     if not steps:
         if _JSON.value:   # every column refused: the refusals are the record
             with open(_JSON.value, "w") as f:
-                json.dump({"target": _TARGET.value, "libtpu": tpu.libtpu_version(), "steps": [],
-                           "footprint": {}, "refused": refusals,
-                           "param_dtype": config.model.param_dtype,
-                           "hbm_per_device": target.hbm_per_device if target else None}, f, indent=1)
+                json.dump(dict(record, steps=[], footprint={}), f, indent=1)
         sys.exit(refusal_line(refused[own], _TARGET.value))
 
     rl = config.rl
@@ -282,22 +299,18 @@ def main(argv):
           f"{rl.max_prompt_length + rl.max_completion_length} tokens; rollout: "
           f"{'colocated' if loops[0].colocated else f'{loops[0].rollout_devices} own devices'}")
     print(target_header(target, mesh))
-    unit = "device" if target is None or target.chip.devices_per_chip > 1 else "chip"
-    print(memory.format_table(steps, loops, rollouts, unit=unit))
+    print(memory.format_table(steps, loops, rollouts, unit=target.unit if target else "device"))
     for name, (peak, entries) in breakdowns.items():
         print(f"\nlargest buffers live at the {name} peak ({memory.gib(peak)} GiB), MiB:")
         for label, size in entries[:_EXPLAIN.value]:
             print(f"  {size / 2**20:>9.1f}  {label}")
     if _JSON.value:
-        payload = {"mesh": dict(mesh.shape), "hosts": _HOSTS.value, "loop": loops[0].__dict__,
-                   "loops": {s.optimizer: loop.__dict__ for s, loop in zip(steps, loops)},
-                   "steps": [dict(s.__dict__, peak=s.peak) for s in steps],
-                   "footprint": {s.optimizer: memory.rl_footprint(s, loop, r)
-                                 for s, loop, r in zip(steps, loops, rollouts or [None] * len(steps))},
-                   "rollouts": [r.__dict__ for r in rollouts] if rollouts else None,
-                   "target": target.name if target else "cpu", "libtpu": tpu.libtpu_version(),
-                   "hbm_per_device": target.hbm_per_device if target else None,
-                   "refused": refusals, "param_dtype": config.model.param_dtype}
+        payload = dict(record, mesh=dict(mesh.shape), loop=loops[0].__dict__,
+                       loops={s.optimizer: loop.__dict__ for s, loop in zip(steps, loops)},
+                       steps=[dict(s.__dict__, peak=s.peak) for s in steps],
+                       footprint={s.optimizer: memory.rl_footprint(s, loop, r)
+                                  for s, loop, r in zip(steps, loops, rollouts or [None] * len(steps))},
+                       rollouts=[r.__dict__ for r in rollouts] if rollouts else None)
         with open(_JSON.value, "w") as f:
             json.dump(payload, f, indent=1)
     print("\n".join(cost_lines(steps, target)))
@@ -312,11 +325,8 @@ def main(argv):
     if target is not None:
         fits = {}
         for s, loop, r in zip(steps, loops, rollouts or [None] * len(steps)):
-            need = memory.rl_footprint(s, loop, r)["total"]
-            fits[s.optimizer] = need <= target.hbm_per_device
-            print(f"{'fits' if fits[s.optimizer] else 'does not fit'}: {s.optimizer} RL footprint "
-                  f"{memory.gib(need)} GiB of {tpu.gib_text(target.hbm_per_device)} HBM per device "
-                  f"on {target.name} (the compiler's plan is a lower bound)")
+            fits[s.optimizer], line = fit_line(target, s.optimizer, memory.rl_footprint(s, loop, r), s.peak)
+            print(line)
         for label, e in refused.items():
             if label != own:
                 print(refusal_line(e, target.name))

@@ -1,30 +1,31 @@
-"""The per-chip RL footprint of several models × TPU slices × optimizers, by the TPU compiler, unattended.
+"""The per-device RL footprint of several models × targets × optimizers, by the targets' compilers, unattended.
 
     python -m launch.memory_table --workdir /tmp/tpu_table \
         [--configs configs/qwen2_5_7b_gsm8k.py,configs/gemma3_27b.py,configs/llama3_70b.py] \
-        [--targets v5p-8,v5p-16,v6e-8,tpu7x-8,cpu-4,cpu-8] \
+        [--targets v5p-8,v5p-16,v6e-8,tpu7x-8,a100-80gb-8,h100-8,h200-8,b200-8,cpu-4,cpu-8] \
         [--columns logra:bf16,logra:fp32,lora:bf16,adamw,galore] [--out table.md] [--report_only] \
         [--set optimizer.galore.projector=randomized]
 
 Each column of each (config, target) cell is one ``python -m launch.memory --target T`` run of
 that column's optimizer and weights (its update and its sampler's ``generate``), with the same
-layout everywhere: the sampler colocated (``--rollout_devices 0``), FSDP over all of the slice's
-devices, one sequence per device per micro-step. One program pair per process bounds the host
-memory a run holds (five updates and a sampler in one process took 16 GB at 7B and were
-OOM-killed beside the test suite; one column takes about 4 GB), at the price of compiling the
-sampler once per column. A target ``cpu-N`` is XLA:CPU's plan of the same column on N simulated
-devices (the figure the planner gave before the TPU compiler, beside the slices of as many devices:
-v5p-8 has 4, v5p-16, v6e-8 and tpu7x-8 have 8): its update is compiled, its rollout phase is the
-weights plus the KV cache from shapes, as ``--target cpu`` prints it, and no HBM judges it. A 7B–70B column takes 2–15 minutes of a 2-core machine's CPU, so the
-runs are resumable: each writes ``<workdir>/<config>@<target>@<column>.json`` and a column whose
+layout everywhere: the sampler colocated (``--rollout_devices 0``), FSDP over all of the target's
+devices (a TPU slice's, a GPU node's 8), one sequence per device per micro-step. One program pair
+per process bounds the host memory a run holds (five updates and a sampler in one process took
+16 GB at 7B and were OOM-killed beside the test suite; one column takes about 4 GB), at the price
+of compiling the sampler once per column. A target ``cpu-N`` is XLA:CPU's plan of the same column
+on N simulated devices (the figure the planner gave before the accelerator compilers, beside the
+targets of as many devices: v5p-8 has 4, v5p-16, v6e-8, tpu7x-8 and the GPU nodes have 8): its
+update is compiled, its rollout phase is the weights plus the KV cache from shapes, as ``--target
+cpu`` prints it, and no device memory judges it. A 7B–70B column takes 2–15 minutes of a 2-core
+machine's CPU, so the runs are resumable: each writes ``<workdir>/<config>@<target>@<column>.json`` and a column whose
 JSON exists is not run again (stop at any time; run the same command to go on). A column the
-compiler refuses keeps its figure ("refused: needs X"); each run's output is kept in a ``.log``
+TPU compiler refuses keeps its figure ("refused: needs X"); each run's output is kept in a ``.log``
 beside it (a run that failed, with no JSON, is run again next time).
 
-The table (markdown, to stdout and ``--out``): per model and slice, each column's RL footprint
-(the larger of the update and rollout phases) and update peak, GiB per chip, marked when it does
-not fit the chip's HBM; then, per slice, the largest model whose full-parameter RL (the first
-column) fits one host.
+The table (markdown, to stdout and ``--out``): per model and target, each column's RL footprint
+(the larger of the update and rollout phases) and update peak, GiB per device, marked when it does
+not fit the device's memory (a TPU chip's HBM, a GPU's allocator limit); then, per target, the
+largest model whose full-parameter RL (the first column) fits it.
 """
 
 import json
@@ -45,7 +46,7 @@ def cell_name(config: str, target: str, column: str) -> str:
 
 
 def cpu_devices(target: str) -> int | None:
-    """N for an XLA:CPU target ``cpu-N`` (N simulated devices), None for a TPU slice."""
+    """N for an XLA:CPU target ``cpu-N`` (N simulated devices), None for a TPU slice or GPU node."""
     if not target.startswith("cpu-"):
         return None
     try:
@@ -58,16 +59,16 @@ def command(config: str, target: str, column: str, json_path: pathlib.Path,
             overrides: list[str] = ()) -> list[str]:
     """The launch.memory run of one column: its optimizer with its weights (``logra:bf16``) or, for
     a dense baseline, the usual fp32 master weights; one sequence per device per micro-step on the
-    slice's devices (FSDP over all of them), or on ``cpu-N``'s N simulated ones. ``overrides``
+    target's devices (FSDP over all of them), or on ``cpu-N``'s N simulated ones. ``overrides``
     (KEY=VALUE) set config keys of every run, e.g. optimizer.galore.projector=randomized."""
-    from logra_jax.perf import tpu
+    from logra_jax.perf import targets
     name, _, dtype = column.partition(":")
     n = cpu_devices(target)
     where = (["--target", "cpu", "--mesh", f"fsdp={n},tensor=1"] if n is not None
              else ["--target", target])
     args = [sys.executable, "-m", "launch.memory", "--config", config, *where,
             "--rollout_devices", "0", "--optimizer", name, "--json", str(json_path),
-            f"--config.rl.micro_batch_size={n if n is not None else tpu.target(target).devices}"]
+            f"--config.rl.micro_batch_size={n if n is not None else targets.target(target).devices}"]
     if dtype:
         args.append(f"--config.model.param_dtype={_DTYPES[dtype]}")
     for override in overrides:
@@ -114,16 +115,18 @@ def cell_text(plan: dict, column: str, own_dtype: str) -> str:
     if footprint is None:
         return "–"
     peak = next(s["peak"] for s in plan["steps"] if s["optimizer"] == label)
-    fits = plan["hbm_per_device"] is None or footprint["total"] <= plan["hbm_per_device"]
+    # Plans written before GPU targets named the budget "hbm_per_device".
+    budget = plan.get("memory_per_device", plan.get("hbm_per_device"))
+    fits = budget is None or footprint["total"] <= budget
     return f"{footprint['total'] / GIB:.2f} ({peak / GIB:.2f})" + ("" if fits else " ✗")
 
 
 def table(configs: list[str], targets: list[str], columns: list[str], workdir: pathlib.Path) -> str:
-    lines = ["| model | slice | " + " | ".join(columns) + " |",
+    lines = ["| model | target | " + " | ".join(columns) + " |",
              "|---|---|" + "---|" * len(columns)]
     largest: dict[str, str] = {}
-    slices = [t for t in targets if cpu_devices(t) is None]   # XLA:CPU's rows have no HBM to fit
-    tried = {t: 0 for t in targets}   # models whose first column has run, per slice
+    judged = [t for t in targets if cpu_devices(t) is None]   # XLA:CPU's rows have no memory to fit
+    tried = {t: 0 for t in targets}   # models whose first column has run, per target
     for config in configs:
         for target in targets:
             texts = []
@@ -137,15 +140,16 @@ def table(configs: list[str], targets: list[str], columns: list[str], workdir: p
                     or texts[0] == "–"):
                 largest[target] = pathlib.Path(config).stem   # configs run smallest model first
     lines.append("")
-    legend = ("GiB per device (a chip; half a tpu7x chip, one of its two TensorCores): RL footprint "
-              "(update peak); ✗ over the device's HBM.")
-    if len(slices) < len(targets):
+    legend = ("GiB per device (a GPU or a TPU chip; half a tpu7x chip, one of its two TensorCores): "
+              "RL footprint (update peak); ✗ over the device's memory (a TPU's HBM, a GPU's "
+              "allocator limit).")
+    if len(judged) < len(targets):
         legend += " cpu-N: XLA:CPU's plan per simulated device, its rollout phase from shapes."
-    if slices:
+    if judged:
         legend += (f" Largest model whose {columns[0]} RL fits: " + "; ".join(
             f"{t}: {largest.get(t, 'none')}"
             + ("" if tried[t] == len(configs) else f" ({tried[t]} of {len(configs)} models run)")
-            for t in slices) + ".")
+            for t in judged) + ".")
     lines.append(legend)
     return "\n".join(lines)
 
@@ -156,8 +160,8 @@ def define_flags():
     flags.DEFINE_list("configs", ["configs/qwen2_5_7b_gsm8k.py", "configs/gemma3_27b.py",
                                    "configs/llama3_70b.py"], "Config files, one row each.")
     flags.DEFINE_list("targets", ["v5p-8", "v5p-16", "v6e-8", "tpu7x-8"],
-                      "TPU slices (perf/tpu.py's Cloud names), or cpu-N: XLA:CPU "
-                      "on N simulated devices.")
+                      "TPU slices (perf/tpu.py's Cloud names), GPU nodes (perf/gpu.py: a100-80gb-8, "
+                      "h100-8, h200-8, b200-8), or cpu-N: XLA:CPU on N simulated devices.")
     flags.DEFINE_list("columns", ["logra:bf16", "logra:fp32", "lora:bf16", "adamw", "galore"],
                       "Columns: an optimizer, LoGRA's and LoRA's optionally with :bf16 or :fp32 "
                       "weights (default: the config's); the first decides 'largest model that fits'.")

@@ -38,6 +38,7 @@ import pytest  # noqa: E402
 # two-test preemption file and the two-process file last, and one worker then ran them alone while
 # the other idled. Longest first leaves the many short files to even out the end.
 LONGEST_FIRST = ("test_trainer_sync.py", "test_multihost.py", "test_sync.py", "test_tpu_compile.py",
+                 "test_gpu_compile.py",
                  "test_tpu_casts.py", "test_baselines.py", "test_preemption.py", "test_bad_input.py", "test_trainer.py",
                  "test_sampler.py", "test_memory.py", "test_nnx_sketch.py", "test_workdir.py")
 

@@ -54,7 +54,8 @@ def test_tiny_update_and_sampler_compile_for_a_tpu_slice(tiny_on_tpu):
     assert f"libtpu {tpu.libtpu_version()}" in header and TARGET in header
     assert "'TPU v5 lite'" in header   # the devices are the slice's, not simulated CPUs
     assert plan["target"] == TARGET and plan["mesh"] == {"fsdp": 8, "tensor": 1}
-    assert plan["hbm_per_device"] == tpu.target(TARGET).hbm_per_device
+    assert plan["memory_per_device"] == tpu.target(TARGET).hbm_per_device and plan["unit"] == "chip"
+    assert plan["compiler"].startswith(f"TPU, libtpu {tpu.libtpu_version()}")
     step, rollout = plan["steps"][0], plan["rollouts"][0]
     assert step["arguments"] > 0 and step["temporaries"] > 0
     # The rollout phase is the compiled generate: weights among its arguments, a KV cache and
@@ -63,7 +64,7 @@ def test_tiny_update_and_sampler_compile_for_a_tpu_slice(tiny_on_tpu):
     footprint = plan["footprint"][step["optimizer"]]
     assert footprint["rollout"] >= step["params"] + step["opt_state"] + rollout["temporaries"]
     lines = result.stdout.splitlines()
-    assert any(line.startswith("fits: logra RL footprint") for line in lines)
+    assert any(line.startswith("fits: logra needs ") and "HBM per chip on v5e-8" in line for line in lines)
     explain = lines.index(next(line for line in lines if line.startswith("largest buffers live")))
     assert all(float(line.split()[0]) > 0 for line in lines[explain + 1:explain + 4])
     # Each buffer once: the TPU compiler lists a loop's carried values beside the buffers they

@@ -29,6 +29,8 @@ Two additions to the reference controller (docs/algorithm.md §6), both on the s
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from typing import Callable, NamedTuple
 
 import jax
@@ -232,6 +234,24 @@ class PredictedKLState(NamedTuple):
 _KL_RATIO_RANGE = (0.1, 10.0)
 
 
+# Whether a traced update carries the refusal's host callback (below). A program compiled for a
+# machine that is not here (the memory planner's GPU targets) cannot: a host callback lowers only
+# for a platform with a runtime client. Such a program never runs, and its α = 0 for a bad
+# prediction is in it either way.
+_HOST_CHECKS = contextvars.ContextVar("predicted_kl_host_checks", default=True)
+
+
+@contextlib.contextmanager
+def host_checks_left_out():
+    """Updates traced inside leave out the refusal's host callback: for programs that are planned
+    (compiled for another machine's devices), never run."""
+    token = _HOST_CHECKS.set(False)
+    try:
+        yield
+    finally:
+        _HOST_CHECKS.reset(token)
+
+
 def _refuse(bad, pred):
     if bool(bad):
         raise ValueError(f"scale_by_predicted_kl: predict_kl returned {float(pred)!r} (NaN, "
@@ -300,7 +320,8 @@ def scale_by_predicted_kl(kl_budget: float = 2e-4, kl_budget_final: float = 2e-5
             raise ValueError(f"predict_kl must return a scalar, got shape {pred.shape}")
         bad = low_rank.all_finite(updates) & ~((pred >= 0) & (pred < jnp.inf))
         if isinstance(bad, jax.core.Tracer):
-            jax.debug.callback(_refuse, bad, pred)
+            if _HOST_CHECKS.get():
+                jax.debug.callback(_refuse, bad, pred)
         else:
             _refuse(np.asarray(bad), np.asarray(pred))
         rho = state.kl_ratio

@@ -34,7 +34,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from logra_jax import model_shapes
 from logra_jax import sharding as sharding_lib
 from logra_jax.models import Decoder, ModelConfig
-from logra_jax.perf import matmul_count, tpu
+from logra_jax.optim import predicted_kl
+from logra_jax.perf import matmul_count, targets
 from logra_jax.rl import build
 from logra_jax.rl.policy import Policy, Sequences
 from logra_jax.rl.sampler import Sampler
@@ -186,6 +187,45 @@ def columns(config: ml_collections.ConfigDict, compare) -> list[tuple[str, str, 
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class LoweredUpdate:
+    """One update of a config lowered for a mesh's devices (not compiled), with its abstract inputs."""
+
+    lowered: jax.stages.Lowered
+    params: dict
+    opt_state: object
+    batch: TrainBatch
+    optimizer: build.Optimizer
+    micro_steps: int
+
+
+def lower_update(config: ml_collections.ConfigDict, mesh: Mesh, *,
+                 micro_steps: int | None = None) -> LoweredUpdate:
+    """The trainer's update of ``config`` (model shape, optimizer, batch) lowered on ``mesh``'s
+    devices with abstract inputs; no arrays. ``micro_steps`` as `update_step_memory`'s."""
+    model_config = model_shapes.model_config_from(config.model)
+    model = abstract_model(model_config)
+    policy = Policy(model, lora_scale=build.lora_scale(config.optimizer))
+    params = build.with_adapters(config.optimizer, abstract_params(model, mesh))
+    optimizer = build.build_optimizer(config.optimizer, replayed_merge=build.replays_merge(config))
+    update = build.build_policy_update(config, policy, optimizer=optimizer)
+    opt_state = abstract_opt_state(update.tx, params[optimizer.subtree] if optimizer.subtree else params)
+
+    rl = config.rl
+    rows = config.data.prompts_per_step * rl.num_generations
+    if micro_steps is not None:
+        if micro_steps <= 0:
+            raise ValueError(f"micro_steps must be positive, got {micro_steps}")
+        rows = micro_steps * rl.micro_batch_size
+    if rows % rl.micro_batch_size:
+        raise ValueError(f"{rows} rows per update are not a multiple of rl.micro_batch_size="
+                         f"{rl.micro_batch_size}")
+    batch = abstract_batch(mesh, rows, rl.max_prompt_length, rl.max_completion_length)
+    with predicted_kl.host_checks_left_out():   # a plan never runs: see there
+        lowered = update.jitted(params, opt_state).lower(params, opt_state, batch)
+    return LoweredUpdate(lowered, params, opt_state, batch, optimizer, rows // rl.micro_batch_size)
+
+
 def update_step_memory(config: ml_collections.ConfigDict, mesh: Mesh, *, micro_steps: int | None = None,
                        dump_dir: str | pathlib.Path | None = None,
                        label: str | None = None, hoist_invariants: bool = True) -> StepMemory:
@@ -199,48 +239,29 @@ def update_step_memory(config: ml_collections.ConfigDict, mesh: Mesh, *, micro_s
     out of the layer loops (+6.4 GiB per device at 7B with bf16 weights), which a GPU with native
     bf16 dots never does; for planning bf16-weight runs on GPUs.
     """
-    model_config = model_shapes.model_config_from(config.model)
-    model = abstract_model(model_config)
-    policy = Policy(model, lora_scale=build.lora_scale(config.optimizer))
-    params = build.with_adapters(config.optimizer, abstract_params(model, mesh))
-    optimizer = build.build_optimizer(config.optimizer, replayed_merge=build.replays_merge(config))
-    update = build.build_policy_update(config, policy, optimizer=optimizer)
-    sketch, train_others = optimizer.sketch, optimizer.train_others
-    opt_state = abstract_opt_state(update.tx, params[optimizer.subtree] if optimizer.subtree else params)
-
-    rl = config.rl
-    rows = config.data.prompts_per_step * rl.num_generations
-    if micro_steps is not None:
-        if micro_steps <= 0:
-            raise ValueError(f"micro_steps must be positive, got {micro_steps}")
-        rows = micro_steps * rl.micro_batch_size
-    if rows % rl.micro_batch_size:
-        raise ValueError(f"{rows} rows per update are not a multiple of rl.micro_batch_size="
-                         f"{rl.micro_batch_size}")
-    batch = abstract_batch(mesh, rows, rl.max_prompt_length, rl.max_completion_length)
-
-    options = {}
+    update = lower_update(config, mesh, micro_steps=micro_steps)
+    params, opt_state, batch, optimizer = update.params, update.opt_state, update.batch, update.optimizer
+    options = dict(targets.compiler_options_for(mesh))
     if dump_dir is not None:
-        options = {"xla_dump_to": str(dump_dir), "xla_dump_hlo_as_text": True,
-                   "xla_dump_hlo_module_re": ".*_step_impl.*"}
+        options.update({"xla_dump_to": str(dump_dir), "xla_dump_hlo_as_text": True,
+                        "xla_dump_hlo_module_re": ".*_step_impl.*"})
     if not hoist_invariants:   # added to the update's own disabled passes (this option replaces them)
         options["xla_disable_hlo_passes"] = ",".join(filter(None, [
             update_compiler_options(params).get("xla_disable_hlo_passes"),
             "while-loop-invariant-code-motion"]))
-    lowered = update.jitted(params, opt_state).lower(params, opt_state, batch)
     try:
-        compiled = tpu.compile_or_refuse(lowered, compiler_options=options or None,
-                                         program=f"the {label or config.optimizer.name} update")
-    except tpu.DoesNotFit as e:
+        compiled = targets.compile_or_refuse(update.lowered, compiler_options=options or None,
+                                             program=f"the {label or config.optimizer.name} update")
+    except targets.DoesNotFit as e:
         raise e.with_arguments(device_bytes((params, opt_state, batch))) from None
     stats = compiled.memory_analysis()
     cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, list) else cost
+    cost = (cost[0] if isinstance(cost, list) else cost) or {}   # XLA:GPU deviceless: None
     return StepMemory(
-        optimizer=label or config.optimizer.name, devices=mesh.size, micro_steps=rows // rl.micro_batch_size,
+        optimizer=label or config.optimizer.name, devices=mesh.size, micro_steps=update.micro_steps,
         params=device_bytes(params), opt_state=device_bytes(opt_state), batch=device_bytes(batch),
-        gradients=gradient_bytes(params[optimizer.subtree] if optimizer.subtree else params, sketch,
-                                 train_others),
+        gradients=gradient_bytes(params[optimizer.subtree] if optimizer.subtree else params,
+                                 optimizer.sketch, optimizer.train_others),
         arguments=stats.argument_size_in_bytes, outputs=stats.output_size_in_bytes,
         aliased=stats.alias_size_in_bytes, temporaries=stats.temp_size_in_bytes,
         code=stats.generated_code_size_in_bytes, flops=matmul_count.of_compiled(compiled).flops,
@@ -348,9 +369,10 @@ def rollout_step_memory(config: ml_collections.ConfigDict, mesh: Mesh, *,
                                       top_p=float(rl.top_p), greedy=False,
                                       mesh=sampler.mesh_of(params, tokens))
     try:
-        stats = tpu.compile_or_refuse(lowered, program=f"the sampler's generate ({rows} rows)"
-                                      ).memory_analysis()
-    except tpu.DoesNotFit as e:
+        stats = targets.compile_or_refuse(
+            lowered, program=f"the sampler's generate ({rows} rows)",
+            compiler_options=targets.compiler_options_for(mesh) or None).memory_analysis()
+    except targets.DoesNotFit as e:
         raise e.with_arguments(device_bytes((params, tokens, mask))) from None
     return RolloutMemory(rows=rows, rows_per_pass=rl.rollout_micro_batch or rows,
                          weights=device_bytes(params),

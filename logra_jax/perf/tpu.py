@@ -17,7 +17,10 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import os
-import re
+
+from logra_jax.perf import target as target_lib
+# Where callers of this module found them before GPU nodes joined: the refusal is the TPU compiler's.
+from logra_jax.perf.target import DoesNotFit, compile_or_refuse, gib_text  # noqa: F401
 
 GIB = 2 ** 30
 
@@ -43,7 +46,7 @@ CHIPS = {
 
 
 @dataclasses.dataclass(frozen=True)
-class Target:
+class Slice(target_lib.Target):
     """One TPU slice: its Cloud name, topology (as ``get_topology_desc`` reads it) and chips."""
 
     name: str
@@ -64,8 +67,42 @@ class Target:
     def hbm_per_device(self) -> int:
         return self.chip.hbm // self.chip.devices_per_chip
 
+    memory_per_device = hbm_per_device
 
-def _targets() -> dict[str, Target]:
+    @property
+    def bf16_flops_per_device(self) -> float:
+        return self.chip.bf16_flops / self.chip.devices_per_chip
+
+    @property
+    def bandwidth_per_device(self) -> float:
+        return self.chip.hbm_bandwidth / self.chip.devices_per_chip
+
+    @property
+    def unit(self) -> str:
+        return "device" if self.chip.devices_per_chip > 1 else "chip"
+
+    @property
+    def family(self) -> str:
+        return self.generation
+
+    def compiler(self) -> str:
+        import jax
+        return f"TPU, libtpu {libtpu_version()} (jax {jax.__version__})"
+
+    def jax_devices(self) -> list:
+        return devices(self)
+
+    def describe(self, mesh_size: int) -> str:
+        return (f"target {self.name} = topology {self.topology}, {self.chips} chips × "
+                f"{gib_text(self.chip.hbm)} HBM, {self.devices} devices ({gib_text(self.hbm_per_device)} "
+                f"each); training mesh uses {mesh_size} devices "
+                f"({mesh_size // self.chip.devices_per_chip} chips)")
+
+
+Target = Slice   # the name callers of this module knew it by
+
+
+def _targets() -> dict[str, Slice]:
     out = {}
     for name, topology, chips in [
             ("v4-8", "v4:2x2x1", 4), ("v4-16", "v4:2x2x2", 8),
@@ -78,22 +115,17 @@ def _targets() -> dict[str, Target]:
             ("tpu7x-32", "tpu7x:2x2x4", 16)]:
         generation = name.split("-")[0]
         megacore = "megacore" if generation in ("v4", "v5p") else "default"
-        out[name] = Target(name, generation, topology, megacore, chips)
+        out[name] = Slice(name, generation, topology, megacore, chips)
     return out
 
 
 TARGETS = _targets()
 
 
-def target(name: str) -> Target:
+def target(name: str) -> Slice:
     if name not in TARGETS:
-        raise ValueError(f"unknown TPU target {name!r}; known: cpu, {', '.join(TARGETS)}")
+        raise ValueError(f"unknown TPU target {name!r}; known: {', '.join(TARGETS)}")
     return TARGETS[name]
-
-
-def gib_text(n: int) -> str:
-    """Bytes as GiB with one decimal, e.g. "95.0 GiB"."""
-    return f"{n / GIB:.1f} GiB"
 
 
 def libtpu_version() -> str | None:
@@ -103,7 +135,7 @@ def libtpu_version() -> str | None:
         return None
 
 
-def devices(t: Target) -> list:
+def devices(t: Slice) -> list:
     """The slice's devices, for meshes that lower and compile (nothing runs on them).
 
     Without TPU hardware libtpu would look for a metadata server and worker hostnames and print a
@@ -123,55 +155,3 @@ def devices(t: Target) -> list:
         raise RuntimeError(f"{t.name}: libtpu built {len(found)} devices for topology "
                            f"{t.topology}, expected {t.devices}")
     return list(found)
-
-
-class DoesNotFit(Exception):
-    """The TPU compiler refused a program over its HBM budget: needs ``needed`` of ``available``.
-
-    One of the compiler's two refusals counts the program's temporaries alone
-    (``counts_arguments=False``); `with_arguments` adds the arguments' bytes, known from shapes."""
-
-    def __init__(self, needed: int, available: int, message: str, program: str = "the program",
-                 counts_arguments: bool = True):
-        super().__init__(message)
-        self.needed, self.available, self.program = needed, available, program
-        self.counts_arguments = counts_arguments
-
-    def with_arguments(self, arguments: int) -> "DoesNotFit":
-        """The refusal with ``needed`` covering the program's arguments too."""
-        if self.counts_arguments:
-            return self
-        return DoesNotFit(self.needed + arguments, self.available, str(self), self.program)
-
-
-_UNITS = {"": 1, "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
-# The two ways the TPU compiler words an over-budget program: the whole program's use, or its
-# temporaries alone ("the total memory required for HLO temporaries (X) exceeds available HBM (Y)").
-_REFUSALS = [
-    re.compile(r"Used (?P<used>[\d.]+)(?P<u1>[KMGT]?) of (?P<total>[\d.]+)(?P<u2>[KMGT]?) hbm"),
-    re.compile(r"required for .*?\((?P<used>[\d.]+)(?P<u1>[KMGT]?)\) exceeds available HBM "
-               r"\((?P<total>[\d.]+)(?P<u2>[KMGT]?)\)")]
-
-
-def compile_or_refuse(lowered, program: str = "the program", **kwargs):
-    """``lowered.compile(**kwargs)``; the compiler's out-of-HBM refusal of ``program`` (its name in
-    messages) as `DoesNotFit`."""
-    try:
-        return lowered.compile(**kwargs)
-    except Exception as e:  # JaxRuntimeError: RESOURCE_EXHAUSTED, raised by the compiler
-        match = next(filter(None, (r.search(str(e)) for r in _REFUSALS)), None)
-        if match is None:
-            raise
-        needed = int(float(match["used"]) * _UNITS[match["u1"]])
-        available = int(float(match["total"]) * _UNITS[match["u2"]])
-        raise DoesNotFit(needed, available, str(e).strip().splitlines()[0], program,
-                         counts_arguments="temporaries" not in match.group(0)) from None
-
-
-def roofline_seconds(flops: float, bytes_accessed: float, t: Target) -> dict[str, float]:
-    """Lower bounds of one device's time for a program: compute-bound, memory-bound, and their max
-    (peak bf16 FLOP/s and HBM bandwidth per device; a lower bound, never a prediction)."""
-    per_device = t.chip.devices_per_chip
-    compute = flops / (t.chip.bf16_flops / per_device)
-    memory = bytes_accessed / (t.chip.hbm_bandwidth / per_device)
-    return {"compute": compute, "memory": memory, "bound": max(compute, memory)}
