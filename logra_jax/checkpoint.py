@@ -27,13 +27,18 @@ from logra_jax import distributed
 
 @contextlib.contextmanager
 def _quiet(most_verbose: int = logging.WARNING):
-    """Orbax logs a dozen INFO lines per save through absl; keep a training log readable."""
-    level = logging.get_verbosity()
-    logging.set_verbosity(min(level, most_verbose))  # absl: larger = more verbose
+    """Orbax logs a dozen INFO lines per save through absl; keep a training log readable.
+
+    Afterwards the absl logger gets back its own level, unset (inherited) if it was: restoring
+    ``get_verbosity()`` instead pinned an explicit level on it, and every later absl INFO line of
+    the process (the sampler's decode choice, say) was lost to a handler that asked for INFO."""
+    absl_logger = logging.get_absl_logger()
+    own_level = absl_logger.level
+    logging.set_verbosity(min(logging.get_verbosity(), most_verbose))  # absl: larger = more verbose
     try:
         yield
     finally:
-        logging.set_verbosity(level)
+        absl_logger.setLevel(own_level)
 
 
 class Checkpointer:

@@ -37,7 +37,7 @@ def test_unknown_override_key_names_the_key(key, message):
 
 
 def test_missing_config_file(tmp_path):
-    with pytest.raises(FileNotFoundError, match="nope.py"):
+    with pytest.raises(config_lib.ConfigFileError, match="nope.py.* does not exist"):
         config_lib.load_config_file(tmp_path / "nope.py")
 
 
