@@ -31,10 +31,6 @@ def get_config():
     c.rl.max_prompt_length = 64
     c.rl.max_completion_length = 8
     c.rl.micro_batch_size = 4
-    # Not "auto": it times both decode programs on a trainer's first rollout, a second compile for
-    # every tiny trainer the tests build; per-layer is what it picks on CPU. The choice has its own
-    # tests (tests/test_decode_choice.py), and the two-process run keeps auto (test_multihost.py).
-    c.rl.decode_weights = "per_layer"
     c.optimizer.logra.update(rank=8, learning_rate=1e-3, others_learning_rate=1e-3)
     c.optimizer.adamw.learning_rate = 1e-3
     c.checkpoint.every = 2

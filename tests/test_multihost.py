@@ -21,8 +21,7 @@ from logra_jax import metrics as metrics_lib
 from process_env import without_device_count
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-# decode_weights=auto: every process must take process 0's measured pick (configs/tiny.py fixes it).
-TINY = ["--config", "configs/tiny.py", "--config.rl.decode_weights=auto"]
+TINY = ["--config", "configs/tiny.py"]
 
 
 def _env(**extra) -> dict:
