@@ -29,15 +29,19 @@ from logra_jax import distributed
 def _quiet(most_verbose: int = logging.WARNING):
     """Orbax logs a dozen INFO lines per save through absl; keep a training log readable.
 
-    Afterwards the absl logger gets back its own level, unset (inherited) if it was: restoring
-    ``get_verbosity()`` instead pinned an explicit level on it, and every later absl INFO line of
-    the process (the sampler's decode choice, say) was lost to a handler that asked for INFO."""
+    Afterwards both levels absl's verbosity may have moved come back: under ``app.run`` it is the
+    root logger's (absl's logger left unset), elsewhere absl's own logger's. Restoring the
+    verbosity alone pinned an explicit level on absl's logger where it had none, and every later
+    absl INFO line of the process (the sampler's decode choice, say) was lost to a handler that
+    asked for INFO; restoring absl's logger alone left the root at WARNING under ``app.run`` (the
+    "resumed from" line of launch.train was lost)."""
     absl_logger = logging.get_absl_logger()
-    own_level = absl_logger.level
-    logging.set_verbosity(min(logging.get_verbosity(), most_verbose))  # absl: larger = more verbose
+    own_level, verbosity = absl_logger.level, logging.get_verbosity()
+    logging.set_verbosity(min(verbosity, most_verbose))  # absl: larger = more verbose
     try:
         yield
     finally:
+        logging.set_verbosity(verbosity)
         absl_logger.setLevel(own_level)
 
 
