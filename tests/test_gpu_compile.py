@@ -18,12 +18,10 @@ import sys
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from logra_jax.perf import gpu, targets
+from sketch_lowering import lowered_sketch_backward
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(
@@ -144,14 +142,8 @@ def test_the_xla_cpu_barriers_stay_out_of_gpu_programs(monkeypatch):
     were `cpu_layout` a barrier everywhere)."""
     from logra_jax.models import linear
 
-    def loss(factor, x, kernel, a, h):
-        return jnp.sum((linear.sketched_matmul(x, kernel, a, factor) * h).astype(jnp.float32))
-
     def barriers(devices):
-        on = NamedSharding(Mesh(np.array(devices[:1]), ("x",)), P())
-        shapes = [(1024, 64), (512, 256), (256, 1024), (64, 256), (512, 1024)]  # B, x, W, A, H
-        args = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=on) for s in shapes]
-        return jax.jit(jax.grad(loss)).lower(*args).as_text().count("optimization_barrier")
+        return lowered_sketch_backward(devices).as_text().count("optimization_barrier")
 
     gpus = targets.target(TARGET).jax_devices()
     assert barriers(jax.devices("cpu")) > 0

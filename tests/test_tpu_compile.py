@@ -18,6 +18,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from logra_jax.perf import tpu
+from sketch_lowering import lowered_sketch_backward
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(tpu.libtpu_version() is None,
@@ -152,14 +153,8 @@ def test_the_xla_cpu_layout_barriers_stay_out_of_tpu_programs(monkeypatch):
     them into the TPU program would cost it bytes at the same FLOPs."""
     from logra_jax.models import linear
 
-    def loss(factor, x, kernel, a, h):
-        return jnp.sum((linear.sketched_matmul(x, kernel, a, factor) * h).astype(jnp.float32))
-
     def compiled(devices):
-        on = NamedSharding(Mesh(np.array(devices[:1]), ("x",)), P())
-        shapes = [(1024, 64), (512, 256), (256, 1024), (64, 256), (512, 1024)]  # B, x, W, A, H
-        args = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=on) for s in shapes]
-        lowered = jax.jit(jax.grad(loss)).lower(*args)
+        lowered = lowered_sketch_backward(devices)
         return lowered.as_text().count("optimization_barrier"), lowered.compile()
 
     tpu_devices = tpu.devices(tpu.target(TARGET))
