@@ -5,6 +5,7 @@ The two-process runs are real `launch.train` processes started by `launch/local_
 CPU collectives through gloo; the single-process reference runs in this pytest process.
 """
 
+import json
 import pathlib
 import signal
 import subprocess
@@ -14,14 +15,70 @@ import time
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from logra_jax import checkpoint as checkpoint_lib
 from logra_jax import distributed, host_arrays
 from logra_jax import metrics as metrics_lib
 from process_env import without_device_count
+from tiny_config import tiny_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = ["--config", "configs/tiny.py"]
+
+
+@pytest.fixture(scope="module")
+def answering(tmp_path_factory) -> dict:
+    """configs/tiny.py's overrides for a model whose rewards vary from step to step: a tiny decoder
+    (Hugging Face folder) whose next token is, at every position, end-of-text or "7" about evenly,
+    on GSM8K-format questions whose answer is 7. A completion earns 1 when it is "7" alone (about
+    a quarter of them), so reward, accuracy and length differ between steps and between rows;
+    configs/tiny.py's random model earns −0.01 on every row of every step.
+
+    The weights: the embeddings' first feature set to 8 standard deviations for every token, so
+    that it dominates the last hidden state after the final norm; the head reads that feature
+    only, into the two tokens' logits (+2 each: ~16 after the norm, all others 0); the layers'
+    output projections scaled by 0.3, so they add a little without outweighing it. Every weight
+    stays trainable and the layers stay live (their gradients are not zero)."""
+    from logra_jax.data.gsm8k import load_gsm8k
+    from logra_jax.models import Decoder, ModelConfig, gguf_loader
+    from logra_jax.models.hf_export import write_hf_folder
+    from logra_jax.rl.policy import Policy
+    from logra_jax.tree_paths import leaves_with_paths
+
+    folder = tmp_path_factory.mktemp("answering")
+    tokenizer = gguf_loader.smollm2_tokenizer()
+    (seven,) = tokenizer.encode("7")
+    shape = dict(tiny_config().model.tiny)
+    config = ModelConfig(vocab_size=tokenizer.vocab_size, **dict(shape, tie_embeddings=False))
+    weights = {path: np.array(jax.device_get(value)) for path, value in
+               leaves_with_paths(Policy.params_of(Decoder(config, rngs=nnx.Rngs(0))))}
+    embedding = weights["embed_tokens/embedding"]
+    embedding[:, 0] = 8 * embedding.std()
+    head = weights["lm_head/kernel"]
+    head[:] = 0.0
+    head[0, [tokenizer.eos_id, seven]] = 2.0
+    for path in weights:
+        if path.endswith(("o_proj/kernel", "down_proj/kernel")):
+            weights[path] *= 0.3
+    write_hf_folder(config, weights, tokenizer, folder / "hf")
+
+    gsm8k = folder / "gsm8k"
+    gsm8k.mkdir()
+    lines = [json.dumps({"question": f"Question {i}: which number comes after six?",
+                         "answer": "Six and one make seven.\n#### 7"}) for i in range(64)]
+    for split in ("train", "test"):
+        (gsm8k / f"{split}.jsonl").write_text("\n".join(lines) + "\n")
+    load_gsm8k(gsm8k, "train", cache_dir=folder / "cache")   # prepared once, before the processes
+    return dict(model=dict(source=str(folder / "hf")),
+                data=dict(source="gsm8k", gsm8k_dir=str(gsm8k), gsm8k_cache_dir=str(folder / "cache")))
+
+
+def _flags(overrides: dict, prefix: str = "--config") -> list[str]:
+    """``overrides`` (nested dicts) as ``--config.section.key=value`` flags."""
+    return [flag for key, value in overrides.items()
+            for flag in (_flags(value, f"{prefix}.{key}") if isinstance(value, dict)
+                         else [f"{prefix}.{key}={value}"])]
 
 
 def _env(**extra) -> dict:
@@ -45,16 +102,16 @@ def _flat(tree) -> np.ndarray:
 
 
 def test_two_processes_train_stop_together_resume_and_match_one_process_with_eight_devices(
-        shipped_tiny_trainer, tmp_path):
+        answering, tmp_path):
     """Two processes train; a SIGTERM to process 1 alone stops both after the same step with a
     checkpoint; the same command resumes on 2 × 4 devices to step 3. Compared with one process on
-    8 devices (the same global mesh) trained 3 steps straight."""
-    from configs import tiny
+    8 devices (the same global mesh) trained 3 steps straight, on the `answering` model, whose
+    rewards vary between steps and rows."""
     from logra_jax.rl import trainer as trainer_lib
 
     workdir = tmp_path / "two"
-    first = subprocess.Popen(_cluster_command(workdir, "--config.max_steps=3"), cwd=ROOT,
-                             env=_cluster_env(workdir), stdout=subprocess.PIPE,
+    command = _cluster_command(workdir, "--config.max_steps=3", *_flags(answering))
+    first = subprocess.Popen(command, cwd=ROOT, env=_cluster_env(workdir), stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
     try:
         metrics, deadline = workdir / "metrics.jsonl", time.monotonic() + 400
@@ -70,14 +127,13 @@ def test_two_processes_train_stop_together_resume_and_match_one_process_with_eig
     (stopped_at,) = [int(p.name) for p in (workdir / "checkpoints").iterdir()]
     assert stopped_at < 3
 
-    resumed = subprocess.run(_cluster_command(workdir, "--config.max_steps=3"), cwd=ROOT,
-                             env=_cluster_env(workdir), capture_output=True, text=True, timeout=400)
+    resumed = subprocess.run(command, cwd=ROOT, env=_cluster_env(workdir), capture_output=True,
+                             text=True, timeout=400)
     assert resumed.returncode == 0, (resumed.stderr[-3000:]
                                      + (tmp_path / "logs" / "process_1.log").read_text()[-3000:])
     assert f"resumed from {workdir / 'checkpoints'} at step {stopped_at}" in resumed.stderr
 
-    config = tiny.get_config()
-    one = trainer_lib.Run(config, tmp_path / "one", trainer=shipped_tiny_trainer)
+    one = trainer_lib.Run(tiny_config(answering), tmp_path / "one")
     one.loop()
     one.close()
 
@@ -85,33 +141,38 @@ def test_two_processes_train_stop_together_resume_and_match_one_process_with_eig
     two_rows = metrics_lib.read_jsonl(metrics)
     one_rows = metrics_lib.read_jsonl(tmp_path / "one" / "metrics.jsonl")
     assert [r["step"] for r in two_rows] == [1, 2, 3]
+    assert len(one_rows) == 3
+    # The premise: rewards and lengths differ between steps, so equal ones say the same rollouts.
+    assert len({r["reward"] for r in one_rows}) > 1 and len(
+        {r["completions/mean_length"] for r in one_rows}) > 1, one_rows
     # The rollouts are the same tokens (sampling is per row, on the row's own device), so the
-    # rewards and lengths are equal exactly.
+    # rewards, accuracies and lengths are equal exactly.
     for a, b in zip(two_rows, one_rows):
         for key in ("reward", "accuracy", "completions/mean_length"):
-            assert a[key] == b[key], (a["step"], key)
-    # Each step's loss, gradient norm and entropy: equal to float32 reduction order (the gradient
-    # and the loss's means are summed over the 8 devices through gloo in another order than in
-    # one process; measured ≤ 1.2e-7 relative, about an ulp, XLA:CPU). The tiny config's reward
-    # is the same for every row, so its REINFORCE loss is −A·w̄·(the batch's mean token log-prob),
-    # A changing with the running baseline from step to step: a digest of the sampled tokens'
-    # log-probs, which another token anywhere would move by far more than this tolerance; the
-    # entropy (every position's, over the completions) is another. A gradient wrong by a constant
-    # factor shows in grad_norm (RowAdam and AdamW cancel it in the weights).
-    assert len(two_rows) == len(one_rows) == 3
+            assert a[key] == b[key], (a["step"], key, a[key], b[key])
+    # Each step's loss, gradient norm and entropy: equal to float32 reduction order. The gradient
+    # and the loss's means are summed over the 8 devices through gloo in another order than in one
+    # process, and from step 2 on the weights differ by that rounding too: measured relative gaps
+    # 0 (loss, entropy) and 4.2e-7 (grad_norm) at step 1, up to 4.9e-7 (loss), 4.0e-6 (grad_norm)
+    # and 4.2e-6 (entropy) at steps 2–3 (XLA:CPU, 2 × 4 against 1 × 8 devices). The REINFORCE loss
+    # weighs every sampled token's log-prob by its row's advantage, so it is a digest of the
+    # rollouts; the entropy is another. A gradient wrong by a constant factor shows in grad_norm
+    # (the norm before clipping; RowAdam and AdamW cancel a uniform scale in the weights).
     assert len({r["loss"] for r in one_rows}) == 3   # the steps differ: a mix-up would show
     for a, b in zip(two_rows, one_rows):
         for key in ("loss", "grad_norm", "entropy"):
-            np.testing.assert_allclose(a[key], b[key], rtol=1e-6, err_msg=f"step {a['step']}: {key}")
+            np.testing.assert_allclose(a[key], b[key], rtol=2e-5, err_msg=f"step {a['step']}: {key}")
 
     # The weights: equal to fp32 rounding. Not bit for bit, by construction: the gradient's
-    # all-reduce over the 8 devices sums in another order through gloo than within one process
-    # (measured here: ~1e-7 relative on the loss), and that rounding passes into every update.
-    t = shipped_tiny_trainer
+    # all-reduce over the 8 devices sums in another order through gloo than within one process,
+    # and that rounding passes into every update (measured: the largest weight gap 2.1e-4 of the
+    # largest weight move, which the clipped, normalised updates of this model make 8.8e-3).
+    t = one.trainer
+    initial = _flat(t.initial_params)
     saved = checkpoint_lib.Checkpointer(workdir / "checkpoints").restore_params(
         3, jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                         t.initial_params, t.param_shardings))
-    initial, single, multi = _flat(t.initial_params), _flat(one.params), _flat(saved)
+    single, multi = _flat(one.params), _flat(saved)
     moved = np.abs(single - initial).max()
     assert moved > 1e-4                          # three updates moved the weights
     losses = [(a["loss"], b["loss"]) for a, b in zip(two_rows, one_rows)]
