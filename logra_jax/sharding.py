@@ -25,10 +25,8 @@ on every device.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -187,68 +185,16 @@ def shard_batch(x: jax.Array) -> jax.Array:
     """``x`` with its leading (batch) dimension split over ``fsdp`` of the mesh in context.
 
     The context is ``jax.sharding.use_abstract_mesh(mesh.abstract_mesh)`` (``PolicyUpdate`` sets it
-    while tracing its step). Without a mesh in context or without an ``fsdp`` axis > 1, ``x`` is
-    returned as it is. Rows that do not divide evenly (e.g. a 2-row probe on 4 devices) are left to
-    XLA, or replicated inside :func:`replicated_uneven_rows` (:func:`pin_uneven_rows`).
+    while tracing its step). Without a mesh in context, without an ``fsdp`` axis > 1, or when the
+    rows do not divide evenly (e.g. a 2-row probe on 4 devices), ``x`` is returned as it is.
     """
-    size = _batch_axis_size()
-    if size == 1 or x.ndim == 0:
-        return x
-    if x.shape[0] % size:
-        return pin_uneven_rows(x)
-    return jax.lax.with_sharding_constraint(x, PartitionSpec(BATCH_AXIS))
-
-
-_REPLICATE_UNEVEN_ROWS = contextvars.ContextVar("replicate_uneven_rows", default=False)
-
-
-@contextlib.contextmanager
-def replicated_uneven_rows() -> Iterator[None]:
-    """Activations traced inside it whose rows do not divide over ``fsdp`` are replicated.
-
-    For the update's micro-batches (``PolicyUpdate``). Four rows on eight devices, left to XLA,
-    were laid out two ways at once: RoPE's angles with their features over all eight devices
-    (propagated from the weights' FSDP layout), the attention's grouped queries with their rows
-    over four. Between the two the partitioner had no plan but to gather the whole tensor on every
-    device and split it again, in the backward pass, and said so in two
-    ``[SPMD] Involuntary full rematerialization`` warnings of several hundred characters.
-    Replicated rows are one layout every device agrees on. Each device then computes the whole
-    micro-batch, as it computed two of its four rows before: a micro-batch smaller than the
-    device count saves no memory (a device holds at least one row), and shipped configs for
-    accelerators take one row per device, where nothing here applies.
-
-    Not for the KL probe's two rows: left to XLA, the TPU compiler splits their work, and
-    replicating them raised the Llama-3.1-70B update on v6e-8 from 27.92 to 28.00 GiB per chip
-    and its bytes accessed by 11 % (the TPU compiler, ``launch.memory --target v6e-8``).
-    """
-    token = _REPLICATE_UNEVEN_ROWS.set(True)
-    try:
-        yield
-    finally:
-        _REPLICATE_UNEVEN_ROWS.reset(token)
-
-
-def pin_uneven_rows(x: jax.Array) -> jax.Array:
-    """Inside :func:`replicated_uneven_rows`: ``x`` replicated when its rows do not divide over
-    ``fsdp``. Otherwise, or outside it, ``x`` as it is (rows that divide are :func:`shard_batch`'s).
-
-    The attention applies it to its queries, keys and values: pinning the residual stream alone
-    left the queries' layout to propagation, and one of the two warnings stayed.
-    """
-    if not _REPLICATE_UNEVEN_ROWS.get():
-        return x
-    size = _batch_axis_size()
-    if size == 1 or x.ndim == 0 or x.shape[0] % size == 0:
-        return x
-    return jax.lax.with_sharding_constraint(x, PartitionSpec())
-
-
-def _batch_axis_size() -> int:
-    """The size of ``fsdp`` in the mesh in context; 1 without one."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or BATCH_AXIS not in mesh.axis_names:
-        return 1
-    return mesh.shape[BATCH_AXIS]
+        return x
+    size = mesh.shape[BATCH_AXIS]
+    if size == 1 or x.ndim == 0 or x.shape[0] % size:
+        return x
+    return jax.lax.with_sharding_constraint(x, PartitionSpec(BATCH_AXIS))
 
 
 def shard_features(x: jax.Array) -> jax.Array:

@@ -1,18 +1,12 @@
 """What a run prints: progress fields that say what they are, one line per step without the
-progress bar, a closing line of what it trained (logra_jax/metrics.py, launch/train.py), and no
-compiler warning."""
+progress bar, and a closing line of what it trained (logra_jax/metrics.py, launch/train.py)."""
 
-import contextlib
 import functools
 import shutil
 
-from configs import tiny
 from launch import train as train_cli
 from logra_jax import metrics
-from logra_jax.perf import memory
-from logra_jax.rl import build
 from logra_jax.rl import trainer as trainer_lib
-from logra_jax.rl import update as update_lib
 from tiny_config import tiny_config
 
 ROWS = [{"reward": 0.5, "kl": 0.0, "time/step": 1.5}, {"reward": 0.25, "kl": 0.0, "time/step": 2.5}]
@@ -51,24 +45,3 @@ def test_launch_train_says_what_it_trained(trained_tiny_run, shipped_tiny_traine
     assert done.startswith("done: trained steps 3–3 of 3 in "), done
     assert done.endswith(f"; metrics in {workdir / 'metrics.jsonl'}; checkpoint 3 in "
                          f"{workdir / 'checkpoints'}"), done
-
-
-def test_the_tiny_update_compiles_without_the_partitioners_warning(capfd, monkeypatch):
-    """configs/tiny.py's update on the suite's 8 devices, micro-batches of 4 rows: no
-    ``[SPMD] Involuntary full rematerialization`` (docs/reliability.md). The control is the same
-    update traced without ``sharding.replicated_uneven_rows``, its fix: it must warn, which also
-    shows that XLA's C++ warnings reach this capture. Each program is compiled with one extra
-    option, at its default value, so that the suite's persistent cache has no entry for it: a
-    cache hit compiles nothing and would print nothing."""
-    config = tiny.get_config()
-    assert config.rl.micro_batch_size % 8   # the case this is about: rows that do not divide
-
-    def warnings():
-        lowered = memory.lower_update(config, build.build_mesh(config.mesh)).lowered
-        capfd.readouterr()
-        lowered.compile({"xla_dump_max_hlo_modules": -1})
-        return [line for line in capfd.readouterr().err.splitlines() if "[SPMD]" in line]
-
-    assert warnings() == []
-    monkeypatch.setattr(update_lib, "replicated_uneven_rows", contextlib.nullcontext)
-    assert any("Involuntary full rematerialization" in line for line in warnings())

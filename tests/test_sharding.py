@@ -11,8 +11,7 @@ from jax.sharding import AxisType, PartitionSpec as P
 from logra_jax.models.config import tiny
 from logra_jax.models.llama import Decoder
 from logra_jax.sharding import (get_logical_axes, logical_sharding, logical_to_spec, make_mesh,
-                                param_shardings, replicated_uneven_rows, set_logical_axes,
-                                shard_model)
+                                param_shardings, set_logical_axes, shard_model)
 
 
 @pytest.mark.parametrize("shape", [(8, 1), (4, 2), (2, 4)])
@@ -145,8 +144,7 @@ def test_galore_state_is_sharded_like_its_kernel():
 
 
 def test_activations_split_by_batch_under_a_mesh_context():
-    """shard_batch: rows over fsdp when a mesh is in context and they divide; a no-op otherwise,
-    or replicated inside ``replicated_uneven_rows`` (the update's micro-batches)."""
+    """shard_batch: rows over fsdp when a mesh is in context and they divide; a no-op otherwise."""
     mesh = make_mesh({"fsdp": 4, "tensor": 2})
     model = shard_model(Decoder(tiny(), rngs=nnx.Rngs(0)), mesh)
     graphdef, state = nnx.split(model)
@@ -155,23 +153,14 @@ def test_activations_split_by_batch_under_a_mesh_context():
         with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
             return nnx.merge(graphdef, state)(tokens)
 
-    def pinned_forward(state, tokens):   # its own function: jit caches a trace per function
-        with replicated_uneven_rows():
-            return forward(state, tokens)
-
-    def constraints(rows, fn=forward):
+    def constraints(rows):
         tokens = jnp.zeros((rows, 6), jnp.int32)
-        text = jax.jit(fn).lower(state, tokens).as_text()
+        text = jax.jit(forward).lower(state, tokens).as_text()
         return [line for line in text.splitlines() if "sharding_constraint" in line]
 
     split = constraints(4)
     assert split and all('[{"fsdp"}' in line for line in split)
     assert constraints(2) == []                      # 2 rows do not divide over 4 devices
-    assert constraints(4, pinned_forward) == split   # rows that divide: as without it
-    # Replicated: the residual stream after the embedding and into the layer, and q, k, v (the
-    # layers are one scanned body, traced once).
-    pinned = constraints(2, pinned_forward)
-    assert len(pinned) == 2 + 3 and all("[{}, {}" in line for line in pinned), pinned
     logits = jax.jit(forward)(state, jnp.zeros((4, 6), jnp.int32))
     assert logits.sharding.spec[0] == "fsdp"
     plain = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t)).lower(state, jnp.zeros((4, 6), jnp.int32))

@@ -36,8 +36,7 @@ from logra_jax.models.kv_cache import KVCache
 from logra_jax.models.linear import Linear, weights_major, weights_major_product
 from logra_jax.models.rope import apply_rotary, inverse_frequencies, rotary_cos_sin
 from logra_jax.projections import SketchProbe
-from logra_jax.sharding import (get_logical_axes, pin_uneven_rows, set_logical_axes, shard_batch,
-                                shard_features)
+from logra_jax.sharding import get_logical_axes, set_logical_axes, shard_batch, shard_features
 
 # The stacked linear layers a SketchProbe may target, by kernel path, and their in/out logical axes.
 LAYER_LINEARS: dict[str, tuple[str, str]] = {
@@ -175,7 +174,6 @@ class Attention(nnx.Module):
         if self.q_norm is not None:   # per head, over head_dim, before the rotation
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        q, k, v = pin_uneven_rows(q), pin_uneven_rows(k), pin_uneven_rows(v)   # see there
         # Attention multiplies K as [b, kv_heads, d, t] and V as [b, kv_heads, t, d], the layouts
         # the cache keeps (KVCache): this chunk is transposed once, not the scores or the whole
         # cache around every product.

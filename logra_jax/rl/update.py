@@ -22,7 +22,7 @@ from logra_jax.optim import (LowRankUpdate, SketchSpec, apply_updates_counting_c
                              exact_kl_from_hidden, make_candidate_kl, make_predict_kl, make_probes, merge_targets,
                              probe_factors, split_targets, update_index, with_factors,
                              with_update_factors)
-from logra_jax.sharding import mesh_of, replicated_uneven_rows, sketch_shardings
+from logra_jax.sharding import mesh_of, sketch_shardings
 from logra_jax.tree_paths import leaves_with_paths
 from logra_jax.rl import losses
 from logra_jax.rl.policy import Policy, Sequences
@@ -252,8 +252,7 @@ class PolicyUpdate:
             return keep_sketch_layout(_tree_add(total, grads)), aux
 
         zeros = keep_sketch_layout(jax.tree.map(jnp.zeros_like, wrt))
-        with replicated_uneven_rows():   # a micro-batch smaller than the device count: see there
-            total, aux = jax.lax.scan(accumulate, zeros, micro)
+        total, aux = jax.lax.scan(accumulate, zeros, micro)
         mean_grads = jax.tree.map(lambda g: g / n_micro, total)
         if self.sketch is None:
             grads = mean_grads["params"]
