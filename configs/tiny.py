@@ -30,7 +30,7 @@ def get_config():
     c.rl.num_generations = 2
     c.rl.max_prompt_length = 64
     c.rl.max_completion_length = 8
-    c.rl.micro_batch_size = 4
+    c.rl.micro_batch_size = 8
     c.optimizer.logra.update(rank=8, learning_rate=1e-3, others_learning_rate=1e-3)
     c.optimizer.adamw.learning_rate = 1e-3
     c.checkpoint.every = 2

@@ -1,6 +1,7 @@
 """Command-line entry points (``python -m launch.<name>``)."""
 
 import os
+import re
 import statistics
 import sys
 
@@ -98,9 +99,43 @@ def simulate_host_devices(count: int) -> None:
             os.environ["JAX_PLATFORMS"] = "cpu"
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" in flags:
+        match = re.search(r"xla_force_host_platform_device_count=(\d+)", flags)
+        size_cpu_thread_pool(int(match.group(1)) if match else 1)
         return
     count = int(os.environ.get("LOGRA_HOST_DEVICES", count))
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
+    size_cpu_thread_pool(count)
+
+
+# Threads per simulated CPU device in XLA:CPU's pool: how many collectives one device may be
+# waiting in at once (see size_cpu_thread_pool).
+_CPU_THREADS_PER_DEVICE = 2
+
+
+def size_cpu_thread_pool(devices: int) -> None:
+    """Give XLA:CPU's thread pool two threads per simulated device, so that its collectives cannot
+    starve each other of threads. Must run before jax starts its CPU backend.
+
+    XLA:CPU runs every device's program on one shared pool of max(cores, devices) threads (its
+    ``NPROC`` variable stands in for the core count), and a collective holds its thread until every
+    device of its group has arrived. Its thunk executor runs what is ready concurrently, and one
+    device can wait in two collectives at once; with one thread per device, the last device to
+    arrive then finds no thread left. Measured (jax 0.10.2, 2 cores, 8 devices, so a pool of 8):
+    ``python -m launch.train --config configs/tiny.py --workdir W
+    --config.optimizer.logra.variant=kl --config.rl.algorithm=reinforce
+    --config.optimizer.logra.others=frozen`` aborted at its first step after 40 s. Its log showed
+    device 0 waiting in an all-gather over devices {0, 4} and, on a second thread, in one over all
+    8, where devices 0–6 held the other seven threads and device 7 never arrived (rendezvous.cc:
+    "Expected 8 threads to join the rendezvous, but only 7 of them arrived"). With a pool of 16
+    it trains. On a machine with ``2 × devices`` cores or more, or with ``NPROC`` already set,
+    nothing changes. GPUs and TPUs do not run collectives on a shared host pool.
+    """
+    if "NPROC" in os.environ:
+        return
+    threads = _CPU_THREADS_PER_DEVICE * devices
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if (cores or 1) < threads:
+        os.environ["NPROC"] = str(threads)
 
 
 def cpu_model() -> str:

@@ -10,6 +10,11 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8"
                            " --xla_backend_optimization_level=0").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Two threads per device in XLA:CPU's pool, as every launch.* command has: with one, a device
+# waiting in two collectives at once starves another (launch/__init__.py: size_cpu_thread_pool).
+from launch import size_cpu_thread_pool  # noqa: E402
+
+size_cpu_thread_pool(8)
 # One persistent compilation cache per test session, inherited by the launch.* subprocesses: the
 # many real-process tests (signals, bad input, resumes, two-process runs) compile the same train
 # step again and again, and a cached program loads in a fraction of the compile. Every program is

@@ -2,6 +2,7 @@
 line and the signal's exit status; the same command then resumes. A real process, a real signal."""
 
 import json
+import os
 import pathlib
 import signal
 import subprocess
@@ -19,10 +20,16 @@ ARGS = ["--config", "configs/tiny.py", "--config.optimizer.logra.variant=kl",
         "--config.log.progress=False", "--config.log.tensorboard=False"]
 
 
+# Without the suite's NPROC: the command sizes XLA:CPU's thread pool itself, and the KL variant
+# with micro-batches of 8 rows on 8 devices is the run whose collectives starved a pool of one
+# thread per device (launch/__init__.py: size_cpu_thread_pool). Without that, its first step aborts.
+ENV = {name: value for name, value in os.environ.items() if name != "NPROC"}
+
+
 def _train(workdir, max_steps, **kwargs):
     return subprocess.Popen([sys.executable, "-m", "launch.train", "--workdir", str(workdir),
                              *ARGS, f"--config.max_steps={max_steps}"], cwd=ROOT, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kwargs)
+                            env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kwargs)
 
 
 def _rows(workdir):

@@ -102,6 +102,23 @@ def build_mesh(axes, devices=None, *, spare_devices: bool = False) -> Mesh:
     return sharding_lib.make_mesh(sizes, devices=devices)
 
 
+def uneven_micro_batches(rl: ml_collections.ConfigDict, mesh: Mesh) -> str | None:
+    """The warning for micro-batches whose rows do not split over the mesh's ``fsdp`` axis, or None.
+
+    Such rows are left to XLA's propagation (``sharding.shard_batch``), which may lay the update's
+    activations out two ways that meet in the backward pass and then prints a "[SPMD] Involuntary
+    full rematerialization" warning of several hundred characters (docs/reliability.md); said
+    first, in one line, that warning has a cause and a fix the user can act on.
+    """
+    devices = mesh.shape.get(sharding_lib.BATCH_AXIS, 1)
+    if rl.micro_batch_size % devices == 0:
+        return None
+    return (f"rl.micro_batch_size={rl.micro_batch_size} rows do not split over the {devices} "
+            f"devices of the mesh's {sharding_lib.BATCH_AXIS} axis, so XLA lays out the update "
+            f"itself and may warn of an 'Involuntary full rematerialization'; a multiple of "
+            f"{devices} gives every device its own rows")
+
+
 def build_model(cfg: ml_collections.ConfigDict, mesh: Mesh | None):
     """(model, tokenizer). ``source="tiny"`` is a random small decoder with SmolLM2's tokenizer,
     ``"random:<shape>"`` a published shape (model_shapes.py) with random weights and that tokenizer.

@@ -68,6 +68,8 @@ class Trainer:
         train_devices, rollout_devices = sync.split_devices(config.sync.rollout_devices)
         self.mesh = build.build_mesh(config.mesh, train_devices)
         self.rollout_mesh = build.build_mesh(config.sync.rollout_mesh, rollout_devices)
+        if (uneven := build.uneven_micro_batches(config.rl, self.mesh)) is not None:
+            logging.warning(uneven)
         # Colocated, every sync is a local cast of the trainer's weights (sync.placed_mode).
         self.sync_mode = sync.placed_mode(config.sync.mode, not config.sync.rollout_devices)
         if self.sync_mode != config.sync.mode:
