@@ -153,8 +153,9 @@ def test_two_processes_train_stop_together_resume_and_match_one_process_with_eig
     # Each step's loss, gradient norm and entropy: equal to float32 reduction order. The gradient
     # and the loss's means are summed over the 8 devices through gloo in another order than in one
     # process, and from step 2 on the weights differ by that rounding too: measured relative gaps
-    # 0 (loss, entropy) and 4.2e-7 (grad_norm) at step 1, up to 4.9e-7 (loss), 4.0e-6 (grad_norm)
-    # and 4.2e-6 (entropy) at steps 2–3 (XLA:CPU, 2 × 4 against 1 × 8 devices). The REINFORCE loss
+    # 0 at step 1, up to 3.7e-7 (loss), 1.1e-6 (grad_norm) and 3.4e-7 (entropy) at steps 2–3
+    # (XLA:CPU, 2 × 4 against 1 × 8 devices, one micro-batch of 8 rows; with two of 4 rows, up to
+    # 4.0e-6 and 4.2e-6). The REINFORCE loss
     # weighs every sampled token's log-prob by its row's advantage, so it is a digest of the
     # rollouts; the entropy is another. A gradient wrong by a constant factor shows in grad_norm
     # (the norm before clipping; RowAdam and AdamW cancel a uniform scale in the weights).
@@ -165,7 +166,7 @@ def test_two_processes_train_stop_together_resume_and_match_one_process_with_eig
 
     # The weights: equal to fp32 rounding. Not bit for bit, by construction: the gradient's
     # all-reduce over the 8 devices sums in another order through gloo than within one process,
-    # and that rounding passes into every update (measured: the largest weight gap 2.1e-4 of the
+    # and that rounding passes into every update (measured: the largest weight gap 9.5e-5 of the
     # largest weight move, which the clipped, normalised updates of this model make 8.8e-3).
     t = one.trainer
     initial = _flat(t.initial_params)
