@@ -342,23 +342,37 @@ class RolloutMemory:
         return self.arguments + self.outputs + self.temporaries
 
 
-def rollout_step_memory(config: ml_collections.ConfigDict, mesh: Mesh, *,
-                        decode_weights: str | None = None) -> RolloutMemory:
-    """Compiles the sampler's ``generate`` for ``config``'s rollout batch (prompts_per_step ×
-    num_generations rows, the prompt window plus the completion length of cache) on ``mesh``, with
-    bf16 weights placed by their logical axes; no arrays. ``decode_weights`` as `Sampler`'s, default
-    ``rl.decode_weights``: nothing runs here, so "auto" plans stacked and logs that it did not
-    measure (`decode_mode.UNMEASURED`)."""
+@dataclasses.dataclass(frozen=True)
+class LoweredGenerate:
+    """The sampler's ``generate`` of a config lowered for a mesh's devices (not compiled), with its
+    abstract inputs."""
+
+    lowered: jax.stages.Lowered
+    params: dict
+    tokens: jax.ShapeDtypeStruct
+    mask: jax.ShapeDtypeStruct
+    rows: int
+    decode_weights: str
+
+
+def lower_generate(config: ml_collections.ConfigDict, mesh: Mesh, *, rows: int | None = None,
+                   decode_weights: str | None = None) -> LoweredGenerate:
+    """The sampler's ``generate`` of ``config`` lowered on ``mesh``'s devices with bf16 weights
+    placed by their logical axes; no arrays. ``rows``: the batch (default: the config's rollout
+    batch, prompts_per_step × num_generations rows), each with the prompt window plus the
+    completion length of cache. ``decode_weights`` as `Sampler`'s, default ``rl.decode_weights``:
+    nothing runs here, so "auto" plans stacked and logs that it did not measure
+    (`decode_mode.UNMEASURED`)."""
     model_config = model_shapes.model_config_from(config.model)
     model = abstract_model(model_config)
     policy = Policy(model, lora_scale=build.lora_scale(config.optimizer))
     params = _bf16(build.with_adapters(config.optimizer, abstract_params(model, mesh)))
     rl = config.rl
-    rows = config.data.prompts_per_step * rl.num_generations
+    rows = rows or config.data.prompts_per_step * rl.num_generations
+    decode_weights = decode_weights or rl.decode_weights
     sampler = Sampler(policy, max_prompt_length=rl.max_prompt_length,
                       max_completion_length=rl.max_completion_length, eos_ids=[0], pad_id=0,
-                      decode_weights=decode_weights or rl.decode_weights,
-                      rows_per_pass=rl.rollout_micro_batch)
+                      decode_weights=decode_weights, rows_per_pass=rl.rollout_micro_batch)
     on_rows = sharding_lib.batch_sharding(mesh, rows)
     replicated = NamedSharding(mesh, P())
     tokens = jax.ShapeDtypeStruct((rows, rl.max_prompt_length), jnp.int32, sharding=on_rows)
@@ -368,12 +382,22 @@ def rollout_step_memory(config: ml_collections.ConfigDict, mesh: Mesh, *,
     lowered = sampler._generate.lower(params, tokens, mask, key, temperature, top_k=int(rl.top_k),
                                       top_p=float(rl.top_p), greedy=False,
                                       mesh=sampler.mesh_of(params, tokens))
+    return LoweredGenerate(lowered, params, tokens, mask, rows, decode_weights)
+
+
+def rollout_step_memory(config: ml_collections.ConfigDict, mesh: Mesh, *,
+                        decode_weights: str | None = None) -> RolloutMemory:
+    """Compiles the sampler's ``generate`` for ``config``'s rollout batch (`lower_generate`) on
+    ``mesh`` and reads XLA's memory analysis; no arrays."""
+    rl = config.rl
+    generate = lower_generate(config, mesh, decode_weights=decode_weights)
+    rows, params = generate.rows, generate.params
     try:
         stats = targets.compile_or_refuse(
-            lowered, program=f"the sampler's generate ({rows} rows)",
+            generate.lowered, program=f"the sampler's generate ({rows} rows)",
             compiler_options=targets.compiler_options_for(mesh) or None).memory_analysis()
     except targets.DoesNotFit as e:
-        raise e.with_arguments(device_bytes((params, tokens, mask))) from None
+        raise e.with_arguments(device_bytes((params, generate.tokens, generate.mask))) from None
     return RolloutMemory(rows=rows, rows_per_pass=rl.rollout_micro_batch or rows,
                          weights=device_bytes(params),
                          arguments=stats.argument_size_in_bytes, outputs=stats.output_size_in_bytes,
