@@ -20,9 +20,9 @@ conditional branches and of command-buffer calls each become what the emitter ma
   run in one kernel, each longer one in its own), after a memcpy of each operand that cannot be
   sorted in its own buffer (XLA decides by buffer assignment; here: unless the sort is the only
   reader of a value computed in the same computation);
-- collectives (``all-reduce-start``, ``all-gather``, ...): one each; their ``-done`` halves none;
+- collectives (``all-reduce-start``, ``all-gather``, ``all-to-all-start``, ...): one each;
 - ``parameter``, ``constant``, ``tuple``, ``get-tuple-element``, ``bitcast``, ``after-all``,
-  ``add-dependency``, ``opt-barrier`` and the async ``-done`` instructions: nothing;
+  ``add-dependency``, ``opt-barrier`` and every async ``-done`` (a wait): nothing;
 - ``while``: the body's kernels once per trip. With a known trip count (``known_trip_count`` in its
   ``backend_config``, which XLA writes for JAX's scans and fori_loops) the condition never runs;
   without one, every trip runs the condition's kernels, copies the predicate to the host and waits
@@ -76,12 +76,10 @@ _SORT_UNROLL = 4   # EmitBitonicSortLLVMIR's kUnrollFactor
 
 _NO_KERNEL = frozenset({
     "parameter", "constant", "tuple", "get-tuple-element", "bitcast", "after-all", "add-dependency",
-    "opt-barrier", "domain", "async-done", "all-reduce-done", "all-gather-done",
-    "collective-permute-done", "copy-done", "send-done", "recv-done", "async-update"})
+    "opt-barrier", "domain"})
 _COLLECTIVES = frozenset({
-    "all-reduce", "all-reduce-start", "all-gather", "all-gather-start", "reduce-scatter",
-    "all-to-all", "ragged-all-to-all", "collective-permute", "collective-permute-start",
-    "collective-broadcast", "send", "recv"})
+    "all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all",
+    "collective-permute", "collective-broadcast", "send", "recv"})
 _SLICING = frozenset({"dynamic-slice", "slice", "gather"})
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"([0-9]+)"\}')
 _FUSION_KIND = re.compile(r"\bkind=(k[A-Za-z]+)")
@@ -95,9 +93,10 @@ class Launch:
     """One kernel (or memcpy, or library call) as the program launches it."""
 
     kind: str
-    read: float                                # bytes
-    written: float                             # bytes
-    whole_reads: tuple[tuple[int, ...], ...]   # dims of the operands it reads whole
+    read: float                     # bytes
+    written: float                  # bytes
+    computation: str                # where the launching instruction sits
+    whole_reads: tuple[str, ...]    # the operands (instructions of `computation`) it reads whole
 
     @property
     def bytes(self) -> float:
@@ -153,10 +152,10 @@ class Cost:
         ranked = sorted(self.launches.items(), key=lambda kv: -kv[1][0].bytes * kv[1][1])
         return [(key, launch, times) for key, (launch, times) in ranked[:n]]
 
-    def reads_whole(self, matches) -> float:
-        """How many launches read an operand whose dims satisfy ``matches``."""
+    def reads_whole(self, reads) -> float:
+        """How many launches read whole an operand for which ``reads(computation, operand)``."""
         return sum(times for launch, times in self.launches.values()
-                   if any(matches(dims) for dims in launch.whole_reads))
+                   if any(reads(launch.computation, name) for name in launch.whole_reads))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,6 +238,43 @@ class Program:
                    for instruction in self.module.computations[computation].instructions.values()
                    if instruction.opcode not in ("while", "conditional", "call", "async-start"))
 
+    def origin(self, computation: str, name: str) -> str | None:
+        """The entry parameter whose buffer ``name`` (an instruction of ``computation``) holds, if
+        any: followed through bitcasts, copies, tuples, get-tuple-elements and the values loops
+        carry into their bodies and out of them."""
+        if not hasattr(self, "_callers"):
+            self._callers: dict[str, list[hlo_module.Instruction]] = {}
+            for comp in self.module.computations.values():
+                for instruction in comp.instructions.values():
+                    if instruction.opcode == "while":
+                        for _, callee in instruction.called():
+                            self._callers.setdefault(callee, []).append(instruction)
+        seen = set()
+        index: list[int] = []   # tuple indices still to take, innermost last
+        while (computation, name, tuple(index)) not in seen:
+            seen.add((computation, name, tuple(index)))
+            instruction = self.module.instruction(computation, name)
+            op = instruction.opcode
+            if op in ("bitcast", "copy") and not index:
+                name = instruction.operands[0]
+            elif op == "get-tuple-element":
+                index.append(int(re.search(r"index=([0-9]+)", instruction.attributes).group(1)))
+                name = instruction.operands[0]
+            elif op == "tuple" and index:
+                name = instruction.operands[index.pop()]
+            elif op == "while" and index:   # what the loop returns of a value it carries
+                name = instruction.operands[0]
+            elif op == "parameter":
+                if self.module.computations[computation].is_entry:
+                    return name if not index else None
+                callers = self._callers.get(computation, [])
+                if len(callers) != 1:
+                    return None
+                computation, name = callers[0].computation, callers[0].operands[0]
+            else:
+                return None
+        return None
+
     def trip(self, loop: Loop) -> Cost:
         """One trip of ``loop``: its body, and for a dynamic trip count its condition and the
         host sync that reads the predicate."""
@@ -249,8 +285,8 @@ class Program:
 
     def _instruction(self, instruction: hlo_module.Instruction) -> Cost:
         op = instruction.opcode
-        if op in _NO_KERNEL:
-            return Cost()
+        if op in _NO_KERNEL or op.endswith("-done") or op.endswith("-update"):
+            return Cost()   # bookkeeping, or the wait that ends an async op
         key = f"{instruction.computation}/{instruction.name}"
         if op == "while":
             called = dict(instruction.called())
@@ -264,10 +300,14 @@ class Program:
             branches = [self.cost(callee) for _, callee in instruction.called()]
             costly = max(branches, key=lambda c: (c.kernels, c.bytes), default=Cost())
             return costly + Cost(host_syncs=1.0)
-        if op in ("call", "async-start"):
-            total = Cost()
+        collective = op in _COLLECTIVES or (op.endswith("-start") and op[:-len("-start")] in _COLLECTIVES)
+        if not collective and (op in ("call", "async-start") or op.endswith("-start")):
+            total = Cost()   # a command buffer, or work started on another stream: its kernels
             for _, callee in instruction.called():
                 total = total + self.cost(callee)
+            if not instruction.called():   # an async op with nothing to call: one kernel
+                total = Cost({key: (Launch(op[:-len("-start")], 0.0, instruction.bytes,
+                                           instruction.computation, ()), 1.0)})
             return total
         if op == "fusion":
             return Cost({f"{key}#{i}": (launch, 1.0) for i, launch in enumerate(self._fusion(instruction))})
@@ -275,17 +315,18 @@ class Program:
             return Cost({f"{key}#{i}": (launch, 1.0) for i, launch in enumerate(self._sort(instruction))})
         operands = [self._operand(instruction, name) for name in instruction.operands]
         read = sum(o.bytes for o in operands)
-        whole = tuple(leaf.dims for o in operands for leaf in o.shape)
+        where, whole = instruction.computation, tuple(o.name for o in operands)
         if op == "copy":
-            return Cost({key: (Launch("memcpy", read, instruction.bytes, whole), 1.0)})
+            return Cost({key: (Launch("memcpy", read, instruction.bytes, where, whole), 1.0)})
         if op == "custom-call":
             target = _TARGET.search(instruction.attributes)
             kind, written = _library_call(target.group(1) if target else "?", instruction)
-            return Cost({key: (Launch(kind, read, written, whole), 1.0)})
-        if op in _COLLECTIVES:
-            return Cost({key: (Launch("collective", read, instruction.bytes, whole), 1.0)})
+            return Cost({key: (Launch(kind, read, written, where, whole), 1.0)})
+        if collective:   # an async start's result holds its operands too (and small contexts)
+            written = max(instruction.bytes - read, 0.0) if instruction.is_tuple else instruction.bytes
+            return Cost({key: (Launch("collective", read, written, where, whole), 1.0)})
         # Anything else XLA:GPU still emits unfused (an iota, an rng state update): one kernel.
-        return Cost({key: (Launch(op, read, instruction.bytes, whole), 1.0)})
+        return Cost({key: (Launch(op, read, instruction.bytes, where, whole), 1.0)})
 
     def _operand(self, instruction, name) -> hlo_module.Instruction:
         return self.module.instruction(instruction.computation, name)
@@ -301,7 +342,9 @@ class Program:
         if all(r.opcode == "copy" and body.instructions[r.operands[0]].opcode == "parameter"
                and body.instructions[r.operands[0]].shape[0].layout == r.shape[0].layout
                for r in roots):   # MemcpyFusion: a memcpy per root
-            return [Launch("memcpy", r.bytes, r.bytes, (r.shape[0].dims,)) for r in roots]
+            sources = [fusion.operands[body.instructions[r.operands[0]].number] for r in roots]
+            return [Launch("memcpy", r.bytes, r.bytes, fusion.computation, (source,))
+                    for r, source in zip(roots, sources)]
         updated = _in_place_updates(body, roots)   # parameter → its update's bytes
         kind = _fusion_kind(fusion) if updated is None else "in-place dynamic-update-slice"
         read, whole = 0.0, []
@@ -315,9 +358,9 @@ class Program:
                 sliced = self._reads_through(body, parameter)
             read += min(sliced, operand.bytes)
             if sliced >= operand.bytes:
-                whole += [leaf.dims for leaf in operand.shape]
+                whole.append(operand.name)
         written = sum(updated.values()) if updated is not None else fusion.bytes
-        return [Launch(kind, read, written, tuple(whole))]
+        return [Launch(kind, read, written, fusion.computation, tuple(whole))]
 
     def _reads_through(self, body: hlo_module.Computation, parameter: str,
                        skip_updates: bool = False) -> float:
@@ -378,10 +421,11 @@ class Program:
         kernels = _bitonic_kernels(keys.dims[dimension],
                                    sum(hlo_module.ELEMENT_BYTES.get(a.dtype, 4) for a in sort.shape))
         every = sum(a.bytes for a in sort.shape)
-        copies = [Launch("memcpy", o.bytes, o.bytes, (o.shape[0].dims,)) for o in inputs
+        where = outer.computation
+        copies = [Launch("memcpy", o.bytes, o.bytes, where, (o.name,)) for o in inputs
                   if not self._sorts_in_place(outer, o)]
-        whole = tuple(o.shape[0].dims for o in inputs)
-        return copies + [Launch("sort (bitonic)", every, every, whole)] * kernels
+        whole = tuple(o.name for o in inputs)
+        return copies + [Launch("sort (bitonic)", every, every, where, whole)] * kernels
 
     def _sorts_in_place(self, sort: hlo_module.Instruction, operand: hlo_module.Instruction) -> bool:
         """Whether XLA sorts ``operand`` in its own buffer: the sort is the only reader of a value
@@ -551,17 +595,32 @@ class StepCost:
         return {k: v / self.tokens_per_trip for k, v in self.trip.bytes_by_kind().items()}
 
 
-def head_matcher(vocab_size: int, hidden_size: int):
-    """Whether an array's dims are the output projection's: vocab × width elements, the
-    vocabulary one of its dims."""
-    return lambda dims: vocab_size in dims and math.prod(dims) == vocab_size * hidden_size
+def head_parameters(program: Program, vocab_size: int, hidden_size: int) -> set[str]:
+    """The entry parameters that can be the output projection: vocab × width elements, or this
+    device's shard of them (a k-th, with the vocabulary or a k-th of it one of the dims)."""
+    entry = program.module.computations[program.module.entry]
+    found = set()
+    for parameter in entry.parameters.values():
+        leaves = entry.instructions[parameter].shape
+        if len(leaves) != 1:
+            continue
+        dims, whole = leaves[0].dims, vocab_size * hidden_size
+        size = math.prod(dims)
+        if size == 0 or whole % size:
+            continue
+        shards = whole // size
+        if vocab_size in dims or (vocab_size % shards == 0 and vocab_size // shards in dims):
+            found.add(parameter)
+    return found
 
 
 def decode_step(program: Program | str, *, vocab_size: int, hidden_size: int) -> StepCost:
     """The decode step of a sampler's compiled ``generate`` (see the module docstring): the token
-    loop found by its reads of the vocab × width head. ValueError when no loop reads it."""
+    loop found by its whole reads of the vocab × width head (an entry parameter, or its shard on
+    this device). ValueError when no loop reads it."""
     program = program if isinstance(program, Program) else Program(program)
-    is_head = head_matcher(vocab_size, hidden_size)
+    heads = head_parameters(program, vocab_size, hidden_size)
+    is_head = lambda computation, name: program.origin(computation, name) in heads
     reading = [(loop, program.trip(loop)) for loop in program.loops()]
     reading = [(loop, trip, trip.reads_whole(is_head)) for loop, trip in reading]
     reading = [r for r in reading if r[2] >= 1]
@@ -570,15 +629,32 @@ def decode_step(program: Program | str, *, vocab_size: int, hidden_size: int) ->
                          f"not a decode loop")
     dynamic = [r for r in reading if r[0].trip_count is None]
     if dynamic:
-        loop, trip, heads = min(dynamic, key=lambda r: len(r[0].parents))
+        loop, trip, reads = min(dynamic, key=lambda r: len(r[0].parents))
     else:
-        loop, trip, heads = max(reading, key=lambda r: len(r[0].parents))
-    return StepCost(loop.name, loop.trip_count is None, heads, trip)
+        loop, trip, reads = max(reading, key=lambda r: len(r[0].parents))
+    return StepCost(loop.name, loop.trip_count is None, reads, trip)
 
 
 # ----------------------------------------------------------------------------------------------
 # Speed from the counts
 # ----------------------------------------------------------------------------------------------
+# What one kernel of a decode step costs on a GPU when the step is launch-bound, from the one
+# measurement there is: on one H200 (docs/results/gpu.md, jax 0.11.2 with its CUDA 13 plugin),
+# `launch.sampler_bench` decoded SmolLM2-135M's shape (random bf16 weights, 64 + 128 tokens,
+# batch 1) at 713.4 tokens/s stacked and 1,335.2 per_layer. XLA:GPU's program of that run,
+# compiled deviceless here and read by this module (`launch.cost --calibrate`, jax 0.10.2), launches
+# 725 and 417 kernels per token, while its bytes per token (0.73 and 0.28 GB) take 151 and 58 µs
+# at the H200's 4.8 TB/s: the steps were launch-bound, at 1/(713.4 × 725) = 1.93 µs and
+# 1/(1335.2 × 417) = 1.80 µs per kernel. Their mean is the constant. It holds everything a step
+# spends per kernel on that machine: the launch, the kernel's own minimum time, the loop's host
+# sync spread over the step's kernels, the prefill spread over the 128 tokens. A program whose
+# kernels run inside command buffers (CUDA graphs) without a host sync may launch faster.
+CALIBRATION = {"device": "NVIDIA H200", "model": "SmolLM2-135M shape, bf16, batch 1, 64 + 128 tokens",
+               "measured_tokens_per_s": {"stacked": 713.4, "per_layer": 1335.2},
+               "kernels_per_token": {"stacked": 725, "per_layer": 417}}
+SECONDS_PER_KERNEL = sum(1 / (CALIBRATION["measured_tokens_per_s"][mode] * kernels)
+                         for mode, kernels in CALIBRATION["kernels_per_token"].items()) / 2
+
 def predicted_tokens_per_s(batch: int, bytes_per_token: float, kernels_per_token: float, *,
                            bandwidth: float, seconds_per_kernel: float) -> float:
     """batch ÷ max(bytes ÷ bandwidth, kernels × seconds per kernel): a decode step takes as long

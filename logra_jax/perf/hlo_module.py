@@ -24,6 +24,7 @@ ELEMENT_BYTES = {
 _ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([^\]]*)\](?:\{([^}]*)\})?")
 _OPCODE = re.compile(r"\s*([a-z][a-z0-9\-]*)\(")
 _PARAMETER_NUMBER = re.compile(r"^\s*([0-9]+)\s*$")
+_COMMENT = re.compile(r"/\*.*?\*/")   # the printer's "/*index=5*/" marks in long operand lists
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +104,7 @@ class Module:
 
 def parse_shape(text: str) -> tuple[Array, ...]:
     """Every array leaf of a printed shape: ``bf16[2,8]{1,0}`` or a tuple of them."""
-    text = re.sub(r"/\*[^*]*\*/", "", text)
+    text = _COMMENT.sub("", text)
     leaves = []
     for dtype, dims, layout in _ARRAY.findall(text):
         dims = [d.replace("<=", "").strip() for d in dims.split(",") if d.strip()]
@@ -155,7 +156,7 @@ def parse_instruction(rest: str, name: str, computation: str, is_root: bool) -> 
     open_at = opcode.end() - 1
     close_at = _closing(rest, open_at)
     operands, literal = [], None
-    for part in _split_top(rest[open_at + 1:close_at]):
+    for part in _split_top(_COMMENT.sub(" ", rest[open_at + 1:close_at])):
         token = part.split()[-1]
         if token.startswith("%"):
             operands.append(token[1:])
