@@ -4,8 +4,12 @@ Each program is small and compiled by XLA:GPU for one H200 on this CPU machine (
 the 'gpu-plan' extra, as tests/test_gpu_compile.py); what it launches and moves is known by hand.
 """
 
+import json
 import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -178,6 +182,43 @@ def thunk_launches(sequence: str) -> int:
     return launches
 
 
+_VALUE = re.compile(r"^\s*value: <\d+ (\S+?)(\{[\d,]*\})?(?: \(\w+\))? @\d+> \(size=\d+,offset=(\d+)\)")
+
+
+def buffer_slices(assignment: str) -> dict[str, tuple[int, int]]:
+    """Each value's (allocation, offset) in XLA's dumped buffer assignment, by "name{index}"."""
+    slices, allocation = {}, None
+    for line in assignment.splitlines():
+        if line.startswith("allocation "):
+            allocation = int(line.split()[1].rstrip(":"))
+        match = _VALUE.match(line)
+        if match and allocation is not None:
+            slices.setdefault(match.group(1) + (match.group(2) or "{}"), (allocation, int(match.group(3))))
+    return slices
+
+
+def in_place_claims(program: gpu_cost.Program, slices) -> list[bool]:
+    """For each update the reader counts as in place: whether XLA gave the fusion's output the
+    buffer of the operand it updates (so the emitter writes the update alone)."""
+    out = []
+    for computation in program.control_computations():
+        for fusion in program.module.computations[computation].instructions.values():
+            if fusion.opcode != "fusion" or program._fusion(fusion)[0].kind != "in-place dynamic-update-slice":
+                continue
+            body = program.module.computations[dict(fusion.called())["calls"]]
+            roots = gpu_cost._roots(body)
+            for i, root in enumerate(roots):
+                dus = gpu_cost._through_bitcasts(body, root.name)
+                name, index = fusion.operands[gpu_cost._through_bitcasts(body, dus.operands[0]).number], []
+                while (operand := program.module.instruction(computation, name)).opcode in ("get-tuple-element", "bitcast"):
+                    if operand.opcode == "get-tuple-element":
+                        index.insert(0, re.search(r"index=(\d+)", operand.attributes).group(1))
+                    name = operand.operands[0]
+                output = slices[fusion.name + (f"{{{i}}}" if len(roots) > 1 else "{}")]
+                out.append(output == slices[f"{name}{{{','.join(index)}}}"])
+    return out
+
+
 @pytest.mark.parametrize("top_p, gpus", [(1.0, 1), (0.9, 1), (1.0, 8)])
 def test_kernels_match_xlas_thunk_sequence_for_the_tiny_sampler(top_p, gpus, tmp_path):
     """The sampler's generate for the tiny config (prefill, the token loop, the layer scans; with
@@ -197,6 +238,154 @@ def test_kernels_match_xlas_thunk_sequence_for_the_tiny_sampler(top_p, gpus, tmp
     (sequence,) = tmp_path.glob("*generate*thunk_sequence.txt")
     program = gpu_cost.Program(compiled.as_text())
     assert program.launch_sites() == thunk_launches(sequence.read_text())
+    # The KV-cache writes (and the token buffers') counted as in place are: XLA's buffer
+    # assignment gives each the buffer of the array it updates.
+    (assignment,) = tmp_path.glob("*generate*after_optimizations-buffer-assignment.txt")
+    claims = in_place_claims(program, buffer_slices(assignment.read_text()))
+    assert len(claims) >= 4 and all(claims)
     # Per token, the nucleus filter sorts the vocabulary (the prompt's argsort runs once, before).
-    step = gpu_cost.decode_step(program, vocab_size=49152, hidden_size=config.model.tiny.hidden_size)
+    step = gpu_cost.decode_step(program, vocab_size=49152, hidden_size=config.model.tiny.hidden_size,
+                                shards=gpus)
     assert ("sort (bitonic)" in step.kernels_by_kind()) == (top_p < 1)
+
+
+# ----------------------------------------------------------------------------------------------
+# The seconds per kernel and the program they were measured on
+# ----------------------------------------------------------------------------------------------
+def test_seconds_per_kernel_come_from_the_measured_programs_kernel_counts():
+    """gpu_cost.CALIBRATION's kernel counts are this reader's count of the H200 run's program
+    (SmolLM2-135M's shape, 30 layers, batch 1; `launch.cost --calibrate` compiles it whole).
+    Here it is compiled at 3 and 4 layers and extended to 30 by the per-layer difference (from 3
+    layers on, XLA's count grows by the same amount per layer)."""
+    from configs import default
+    from logra_jax.perf import gpu_programs
+    from logra_jax.rl.build import build_mesh
+
+    config = default.get_config()
+    config.model.update(source="tiny", dtype="bfloat16", param_dtype="bfloat16")
+    config.model.tiny.update(hidden_size=576, num_heads=9, num_kv_heads=3, head_dim=64,
+                             intermediate_size=1536, max_position_embeddings=2048)
+    config.rl.update(max_prompt_length=64, max_completion_length=128, rollout_micro_batch=0)
+    mesh = build_mesh({"fsdp": 1, "tensor": 1}, targets.target("h200-8").jax_devices()[:1])
+    for mode, kernels in gpu_cost.CALIBRATION["kernels_per_token"].items():
+        three, four = (gpu_programs.decode_step(gpu_programs.with_layers(config, n), mesh, 1, mode)[0].kernels
+                       for n in (3, 4))
+        assert three + 27 * (four - three) == kernels, mode
+    tokens_per_s = gpu_cost.CALIBRATION["measured_tokens_per_s"]
+    per_kernel = [1 / (tokens_per_s[m] * k) for m, k in gpu_cost.CALIBRATION["kernels_per_token"].items()]
+    assert gpu_cost.SECONDS_PER_KERNEL == pytest.approx(sum(per_kernel) / 2)
+    assert 1.7e-6 < gpu_cost.SECONDS_PER_KERNEL < 2.0e-6
+
+
+# ----------------------------------------------------------------------------------------------
+# launch.cost, and the issue's bounds at a small layer count
+# ----------------------------------------------------------------------------------------------
+REPO = Path(__file__).resolve().parents[1]
+# Qwen2.5-1.5B's layer shape (configs/qwen2_5_1_5b.py's model) at 3 layers, on the tiny source
+# (tiny's vocabulary of 49,152 instead of 151,936), one GPU. Per layer, launch.cost reads the step
+# at 4 layers less the step at 3.
+QWEN_3_LAYERS = ("--config.model.source=tiny", "--config.model.tiny.num_layers=3",
+                 "--config.model.tiny.hidden_size=1536", "--config.model.tiny.num_heads=12",
+                 "--config.model.tiny.num_kv_heads=2", "--config.model.tiny.head_dim=128",
+                 "--config.model.tiny.intermediate_size=8960", "--config.model.tiny.qkv_bias=true",
+                 "--config.model.tiny.rope_theta=1000000.0", "--config.model.tiny.rms_norm_eps=1e-6",
+                 "--config.model.tiny.max_position_embeddings=32768")
+
+
+def _cost_cli(*args, json_path=None):
+    command = [sys.executable, "-m", "launch.cost", *args]
+    if json_path is not None:
+        command += ["--json", str(json_path)]
+    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def qwen_plan(tmp_path_factory):
+    """`launch.cost` on the Qwen2.5-1.5B config at 3 layers, one H200, batches 1 and 64, the
+    decode mode a plan compiles."""
+    out = tmp_path_factory.mktemp("cost") / "cost.json"
+    result = _cost_cli("--config", "configs/qwen2_5_1_5b.py", "--target", "h200-8",
+                       "--mesh", "fsdp=1,tensor=1", "--batches", "1,64", "--modes", "default",
+                       *QWEN_3_LAYERS, json_path=out)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout, json.loads(out.read_text())
+
+
+def test_launch_cost_reports_every_figure(qwen_plan):
+    stdout, plan = qwen_plan
+    assert plan["compiler"].startswith(f"XLA:GPU deviceless, jax-cuda12-plugin {gpu.plugin_version()} "
+                                       f"(jax {jax.__version__}")
+    assert stdout.startswith("compiler: XLA:GPU deviceless") and "NVIDIA H200" in stdout.splitlines()[0]
+    assert [d["batch"] for d in plan["decode"]] == [1, 64]
+    assert all(d["default"] and d["mode"] == plan["decode_weights_plan"] for d in plan["decode"])
+    for d in plan["decode"]:
+        for field in ("kernels_per_token", "kernels_per_layer", "bytes_per_token",
+                      "floor_bytes_per_token", "host_syncs_per_token", "predicted_tokens_per_s"):
+            assert d[field] > 0, (d["batch"], d["mode"], field)
+        # The floor: the bf16 weights and the rows' KV cache (3 layers × rows × 1,024 slots ×
+        # 2 KV heads × 128 × K and V × 2 bytes).
+        assert d["kv_cache_bytes"] == 3 * d["batch"] * 1024 * 2 * 128 * 2 * 2
+        assert d["floor_bytes_per_token"] == d["weight_bytes"] + d["kv_cache_bytes"]
+        seconds = max(d["bytes_per_token"] / plan["bandwidth"],
+                      d["kernels_per_token"] * plan["seconds_per_kernel"])
+        assert d["predicted_tokens_per_s"] == pytest.approx(d["batch"] / seconds)
+        assert sum(d["kernels_by_kind"].values()) == pytest.approx(d["kernels_per_token"])
+    for name in ("logra", "adamw"):
+        update = plan["update"][name]
+        assert update["kernels"] > 0 and update["bytes"] > 0 and update["matmul_flops"] > 0
+    assert plan["generate"]["temp_bytes"] > 0 and plan["generate"]["kv_cache_bytes"] > 0
+
+
+def _default_decode(plan, batch):
+    (entry,) = [d for d in plan["decode"] if d["batch"] == batch and d["default"]]
+    return entry
+
+
+# What decoding at the floor and a batched optimizer mean on a GPU, in the decode mode a GPU plan
+# compiles by default: the bytes a step must read and little more, few kernels per layer, the host
+# left alone for 16 tokens at a time; LoGRA's update no costlier in launches or bytes than AdamW's.
+# A stacked decode step that rewrites the cache stack and copies weights out of it, a token loop
+# that syncs every token, an optimizer that loops over the layers fail them.
+def test_decode_at_batch_1_moves_at_most_1_10_times_the_floor(qwen_plan):
+    d = _default_decode(qwen_plan[1], 1)
+    assert d["bytes_over_floor"] <= 1.10, d["bytes_by_kind"]
+
+
+def test_decode_launches_at_most_10_kernels_per_layer(qwen_plan):
+    d = _default_decode(qwen_plan[1], 1)
+    assert d["kernels_per_layer"] <= 10, d["kernels_by_kind"]
+
+
+def test_decode_syncs_the_host_at_most_once_per_16_tokens(qwen_plan):
+    d = _default_decode(qwen_plan[1], 1)
+    assert d["host_syncs_per_token"] <= 1 / 16
+
+
+def test_decode_at_batch_64_moves_at_most_1_25_times_the_floor(qwen_plan):
+    d = _default_decode(qwen_plan[1], 64)
+    assert d["bytes_over_floor"] <= 1.25, d["bytes_by_kind"]
+
+
+def test_logra_update_launches_at_most_1_2_times_adamws_kernels(qwen_plan):
+    update = qwen_plan[1]["update"]
+    assert update["logra"]["kernels"] <= 1.2 * update["adamw"]["kernels"], (
+        update["logra"]["kernels_by_kind"], update["adamw"]["kernels_by_kind"])
+
+
+def test_logra_update_moves_no_more_bytes_than_adamw(qwen_plan):
+    update = qwen_plan[1]["update"]
+    assert update["logra"]["bytes"] <= update["adamw"]["bytes"]
+
+
+@pytest.mark.parametrize("args, cause", [
+    (("--target", "v5p-16"), "launch.cost reads XLA:GPU programs and has no model of what TPU"),
+    (("--target", "cpu"), "no model of what XLA:CPU launches"),
+    (("--target", "h300-8"), "unknown target 'h300-8'"),
+    (("--target", "h200-8", "--batches", "1,zero"), "--batches 1,zero: expected positive integers"),
+    (("--target", "h200-8", "--modes", "fast"), "--modes fast: expected some of"),
+])
+def test_bad_input_is_one_error_line(args, cause):
+    result = _cost_cli("--config", "configs/tiny.py", *args)
+    assert result.returncode != 0
+    assert result.stderr.strip().splitlines()[-1].startswith("error: ")
+    assert cause in result.stderr.strip().splitlines()[-1], result.stderr[-500:]

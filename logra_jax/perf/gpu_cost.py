@@ -595,31 +595,33 @@ class StepCost:
         return {k: v / self.tokens_per_trip for k, v in self.trip.bytes_by_kind().items()}
 
 
-def head_parameters(program: Program, vocab_size: int, hidden_size: int) -> set[str]:
-    """The entry parameters that can be the output projection: vocab × width elements, or this
-    device's shard of them (a k-th, with the vocabulary or a k-th of it one of the dims)."""
+def head_parameters(program: Program, vocab_size: int, hidden_size: int, shards: int = 1) -> set[str]:
+    """The entry parameters that can be the output projection: a vocab × width matrix (either
+    way round, size-1 dims aside), or this device's part of one split ``a × b`` ways with
+    ``a · b`` dividing ``shards`` (the devices of the mesh)."""
     entry = program.module.computations[program.module.entry]
     found = set()
     for parameter in entry.parameters.values():
         leaves = entry.instructions[parameter].shape
-        if len(leaves) != 1:
+        dims = [d for d in leaves[0].dims if d != 1] if len(leaves) == 1 else []
+        if len(dims) != 2:
             continue
-        dims, whole = leaves[0].dims, vocab_size * hidden_size
-        size = math.prod(dims)
-        if size == 0 or whole % size:
-            continue
-        shards = whole // size
-        if vocab_size in dims or (vocab_size % shards == 0 and vocab_size // shards in dims):
-            found.add(parameter)
+        for rows, cols in (dims, dims[::-1]):
+            if vocab_size % rows or hidden_size % cols:
+                continue
+            split = (vocab_size // rows) * (hidden_size // cols)
+            if shards % split == 0:
+                found.add(parameter)
     return found
 
 
-def decode_step(program: Program | str, *, vocab_size: int, hidden_size: int) -> StepCost:
+def decode_step(program: Program | str, *, vocab_size: int, hidden_size: int,
+                shards: int = 1) -> StepCost:
     """The decode step of a sampler's compiled ``generate`` (see the module docstring): the token
-    loop found by its whole reads of the vocab × width head (an entry parameter, or its shard on
-    this device). ValueError when no loop reads it."""
+    loop found by its whole reads of the vocab × width head (an entry parameter, or its part on
+    this device of a mesh of ``shards`` devices). ValueError when no loop reads it."""
     program = program if isinstance(program, Program) else Program(program)
-    heads = head_parameters(program, vocab_size, hidden_size)
+    heads = head_parameters(program, vocab_size, hidden_size, shards)
     is_head = lambda computation, name: program.origin(computation, name) in heads
     reading = [(loop, program.trip(loop)) for loop in program.loops()]
     reading = [(loop, trip, trip.reads_whole(is_head)) for loop, trip in reading]
