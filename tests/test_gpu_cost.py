@@ -201,21 +201,16 @@ def in_place_claims(program: gpu_cost.Program, slices) -> list[bool]:
     """For each update the reader counts as in place: whether XLA gave the fusion's output the
     buffer of the operand it updates (so the emitter writes the update alone)."""
     out = []
-    for computation in program.control_computations():
-        for fusion in program.module.computations[computation].instructions.values():
-            if fusion.opcode != "fusion" or program._fusion(fusion)[0].kind != "in-place dynamic-update-slice":
-                continue
-            body = program.module.computations[dict(fusion.called())["calls"]]
-            roots = gpu_cost._roots(body)
-            for i, root in enumerate(roots):
-                dus = gpu_cost._through_bitcasts(body, root.name)
-                name, index = fusion.operands[gpu_cost._through_bitcasts(body, dus.operands[0]).number], []
-                while (operand := program.module.instruction(computation, name)).opcode in ("get-tuple-element", "bitcast"):
-                    if operand.opcode == "get-tuple-element":
-                        index.insert(0, re.search(r"index=(\d+)", operand.attributes).group(1))
-                    name = operand.operands[0]
-                output = slices[fusion.name + (f"{{{i}}}" if len(roots) > 1 else "{}")]
-                out.append(output == slices[f"{name}{{{','.join(index)}}}"])
+    for computation, fusion, number, name in program.in_place_updates():
+        index = []   # the operand's value: a get-tuple-element names its tuple's value at an index
+        while (operand := program.module.instruction(computation, name)).opcode in (
+                "get-tuple-element", "bitcast"):
+            if operand.opcode == "get-tuple-element":
+                index.insert(0, re.search(r"index=(\d+)", operand.attributes).group(1))
+            name = operand.operands[0]
+        roots = program.module.instruction(computation, fusion).shape
+        output = slices[fusion + (f"{{{number}}}" if len(roots) > 1 else "{}")]
+        out.append(output == slices[f"{name}{{{','.join(index)}}}"])
     return out
 
 

@@ -51,17 +51,22 @@ types:
 This is a model of traffic to device memory, not a simulation of caches: L2 reuse between kernels
 is not subtracted, and a kernel that reads an operand twice counts it once.
 
-**Per decode step** (`decode_step`): the token loop is the outermost loop with a dynamic trip
-count whose trips read the output projection (the vocabulary × width head, whole) — the loop that
-draws tokens until every row has ended — or, in a program without one, the innermost loop whose
-trips read it. A trip of it may draw several tokens (an inner loop over a chunk of tokens); its
-tokens are the head reads per trip, and every figure per token is the trip's over them.
+The kernel rule is checked against the thunk sequence XLA:GPU dumps for the same program, and the
+in-place updates against its buffer assignment (tests/test_gpu_cost.py). XLA:GPU later groups runs
+of kernels into command buffers (CUDA graphs); a kernel counts as one launch either way.
+
+**Per decode step** (`decode_step`): every token reads the output projection (the vocabulary ×
+width head, an entry parameter, or this device's part of it) whole, once; a kernel's operand is
+traced back to the entry parameter it holds through loop carries, tuples, bitcasts and copies.
+The token loop is the outermost loop with a dynamic trip count whose trips read the head — the loop
+that draws tokens until every row has ended — or, in a program without one, the innermost loop
+whose trips read it. A trip of it may draw several tokens (an inner loop over a chunk of tokens):
+its tokens are its head reads, and every figure per token is the trip's over them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import re
 
@@ -237,6 +242,23 @@ class Program:
                    for computation in self.control_computations()
                    for instruction in self.module.computations[computation].instructions.values()
                    if instruction.opcode not in ("while", "conditional", "call", "async-start"))
+
+    def in_place_updates(self) -> list[tuple[str, str, int, str]]:
+        """(computation, fusion, output number, operand) of every dynamic-update-slice counted in
+        place: the fusion's output ``number`` is written into the buffer of its ``operand``."""
+        out = []
+        for computation in self.control_computations():
+            for fusion in self.module.computations[computation].instructions.values():
+                if fusion.opcode != "fusion":
+                    continue
+                body = self.module.computations[dict(fusion.called())["calls"]]
+                roots = _roots(body)
+                if body.instructions[body.root].opcode == "sort" or _in_place_updates(body, roots) is None:
+                    continue
+                for number, root in enumerate(roots):
+                    target = _through_bitcasts(body, _through_bitcasts(body, root.name).operands[0])
+                    out.append((computation, fusion.name, number, fusion.operands[target.number]))
+        return out
 
     def origin(self, computation: str, name: str) -> str | None:
         """The entry parameter whose buffer ``name`` (an instruction of ``computation``) holds, if
@@ -550,9 +572,6 @@ class ProgramCost:
     matmul_flops: float
     dynamic_loops: int
 
-    def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
 
 def count(text: str) -> ProgramCost:
     """Kernels, bytes, host syncs and matmul FLOPs of an XLA:GPU program's optimized HLO text."""
@@ -622,7 +641,10 @@ def decode_step(program: Program | str, *, vocab_size: int, hidden_size: int,
     this device of a mesh of ``shards`` devices). ValueError when no loop reads it."""
     program = program if isinstance(program, Program) else Program(program)
     heads = head_parameters(program, vocab_size, hidden_size, shards)
-    is_head = lambda computation, name: program.origin(computation, name) in heads
+
+    def is_head(computation: str, name: str) -> bool:
+        return program.origin(computation, name) in heads
+
     reading = [(loop, program.trip(loop)) for loop in program.loops()]
     reading = [(loop, trip, trip.reads_whole(is_head)) for loop, trip in reading]
     reading = [r for r in reading if r[2] >= 1]
@@ -645,7 +667,7 @@ def decode_step(program: Program | str, *, vocab_size: int, hidden_size: int,
 # `launch.sampler_bench` decoded SmolLM2-135M's shape (random bf16 weights, 64 + 128 tokens,
 # batch 1) at 713.4 tokens/s stacked and 1,335.2 per_layer. XLA:GPU's program of that run,
 # compiled deviceless here and read by this module (`launch.cost --calibrate`, jax 0.10.2), launches
-# 725 and 417 kernels per token, while its bytes per token (0.73 and 0.28 GB) take 151 and 58 µs
+# 725 and 417 kernels per token, while its bytes per token (0.73 and 0.28 GB) take 153 and 58 µs
 # at the H200's 4.8 TB/s: the steps were launch-bound, at 1/(713.4 × 725) = 1.93 µs and
 # 1/(1335.2 × 417) = 1.80 µs per kernel. Their mean is the constant. It holds everything a step
 # spends per kernel on that machine: the launch, the kernel's own minimum time, the loop's host
@@ -657,6 +679,7 @@ CALIBRATION = {"device": "NVIDIA H200", "model": "SmolLM2-135M shape, bf16, batc
 SECONDS_PER_KERNEL = sum(1 / (CALIBRATION["measured_tokens_per_s"][mode] * kernels)
                          for mode, kernels in CALIBRATION["kernels_per_token"].items()) / 2
 
+
 def predicted_tokens_per_s(batch: int, bytes_per_token: float, kernels_per_token: float, *,
                            bandwidth: float, seconds_per_kernel: float) -> float:
     """batch ÷ max(bytes ÷ bandwidth, kernels × seconds per kernel): a decode step takes as long
@@ -664,7 +687,3 @@ def predicted_tokens_per_s(batch: int, bytes_per_token: float, kernels_per_token
     whichever is longer."""
     seconds = max(bytes_per_token / bandwidth, kernels_per_token * seconds_per_kernel)
     return batch / seconds if seconds > 0 else math.inf
-
-
-def to_json(value) -> str:
-    return json.dumps(value, indent=1, default=lambda o: dataclasses.asdict(o))

@@ -47,7 +47,7 @@ def with_layers(config: ml_collections.ConfigDict, layers: int) -> ml_collection
     if model_shapes.is_shape_source(source) or model_shapes.is_random_source(source):
         name = source.split(":", 1)[1]
         if name not in model_shapes.MODEL_SHAPES:
-            raise ValueError(f"unknown model shape {name!r}; known shapes: {sorted(model_shapes.MODEL_SHAPES)}")
+            raise ValueError(f"unknown model shape {name!r}; known: {sorted(model_shapes.MODEL_SHAPES)}")
         fields = dict(model_shapes.MODEL_SHAPES[name])
         del fields["vocab_size"]
         out.model.source = "tiny"
@@ -146,8 +146,8 @@ def decode_figures(config: ml_collections.ConfigDict, mesh, target, batches, mod
 
 
 def update_figures(config: ml_collections.ConfigDict, mesh) -> dict:
-    """{column: figures} of the update for the config's optimizer and AdamW (fp32 master weights
-    and moments, as `launch.memory --compare adamw`), loops as they run."""
+    """{optimizer: figures} of the update for the config's optimizer and AdamW (fp32 master
+    weights and moments, as `launch.memory --compare adamw`), loops as they run."""
     out = {}
     for label, name, param_dtype in memory.columns(config, ["adamw"]):
         run = config.copy_and_resolve_references()
@@ -155,10 +155,10 @@ def update_figures(config: ml_collections.ConfigDict, mesh) -> dict:
         run.model.param_dtype = param_dtype
         update = memory.lower_update(run, mesh)
         cost = gpu_cost.of_compiled(compile_for(update.lowered, mesh, f"the {label} update"))
-        out[label] = dict(kernels=cost.kernels, bytes=cost.bytes, matmul_flops=cost.matmul_flops,
-                          host_syncs=cost.host_syncs, dynamic_loops=cost.dynamic_loops,
-                          kernels_by_kind=cost.kernels_by_kind, param_dtype=param_dtype,
-                          micro_steps=update.micro_steps)
+        out[name] = dict(kernels=cost.kernels, bytes=cost.bytes, matmul_flops=cost.matmul_flops,
+                         host_syncs=cost.host_syncs, dynamic_loops=cost.dynamic_loops,
+                         kernels_by_kind=cost.kernels_by_kind, param_dtype=param_dtype,
+                         micro_steps=update.micro_steps)
     return out
 
 
