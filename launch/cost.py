@@ -102,15 +102,16 @@ def parse_mesh(text: str) -> dict[str, int]:
 
 def gpu_target(name):
     """The GPU node ``name``; ValueError for a CPU or TPU target (no model of their programs here)."""
-    from logra_jax.perf import gpu, targets
+    from logra_jax.perf import machines
+    nodes = [m.name for m in machines.MACHINES.values() if m.kind == "gpu"]
     if name is None:
-        raise ValueError("--target is required: a GPU node, one of " + ", ".join(gpu.TARGETS))
-    if name == "cpu" or name not in gpu.TARGETS:
-        target = targets.target(name) if name != "cpu" else None   # an unknown name: its own error
-        what = "XLA:CPU" if target is None else target.compiler().split(",")[0]
+        raise ValueError(f"--target is required: a GPU node, one of {', '.join(nodes)}")
+    target = machines.machine(name) if name != "cpu" else None   # an unknown name: its own error
+    if target is None or target.kind != "gpu":
+        what = "XLA:CPU" if target is None else "the TPU compiler"
         raise ValueError(f"--target {name}: launch.cost reads XLA:GPU programs and has no model of "
-                         f"what {what} launches; use a GPU node: {', '.join(gpu.TARGETS)}")
-    return gpu.TARGETS[name]
+                         f"what {what} launches; use a GPU node: {', '.join(nodes)}")
+    return target
 
 
 def calibration(mesh) -> dict:

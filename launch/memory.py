@@ -6,10 +6,10 @@
         [--rollout_devices N] [--hosts H] [--explain 15] [--json out.json] [--config.key=value ...]
 
 ``--target cpu`` (default): XLA:CPU on simulated CPU devices. Any other target is a machine this
-one compiles for without having it (perf/targets.py): a GPU node, ``a100-80gb-8``, ``h100-8``,
-``h200-8``, ``b200-8`` (XLA:GPU, the ``gpu-plan`` extra; perf/gpu.py), or a Cloud TPU slice,
-``v5p-16``, ``v6e-8``, ... (the TPU compiler, the ``tpu`` extra; perf/tpu.py). The program is
-compiled for the target's devices, FSDP over all of them unless ``--mesh`` says otherwise, and so is
+one compiles for without having it (perf/machines.py): a GPU node, ``a100-80gb-8``, ``h100-8``,
+``h200-8``, ``b200-8`` (XLA:GPU, the ``gpu-plan`` extra), or a Cloud TPU slice, ``v5p-16``,
+``v6e-8``, ... (the TPU compiler, the ``tpu`` extra). The program is compiled for the target's
+devices, FSDP over all of them unless ``--mesh`` says otherwise, and so is
 the sampler's ``generate`` for the rollout batch, so the rollout phase is the compiler's figure
 too. The header names the compiler and its version and the hardware; the last lines say whether
 each column's RL footprint fits a device's memory (a TPU's HBM, a GPU's allocator limit):
@@ -143,11 +143,11 @@ def devices_per_host(mesh_size: int, hosts: int) -> int:
 def measure(config, cols, mesh_sizes, rollout_devices, micro_steps, explain, hoist=True, hosts=1,
             devices=None, compile_rollout=False):
     """(mesh, [StepMemory], [LoopMemory], [RolloutMemory] or None, {label: peak breakdown},
-    {label: targets.DoesNotFit}) for the columns ``cols``. A column whose update or sampler the TPU
+    {label: oom.DoesNotFit}) for the columns ``cols``. A column whose update or sampler the TPU
     compiler refuses is left out of the lists and kept with the refusal (its figure is the
     compiler's "needs X of Y"), so the columns that fit still make a table."""
     import jax
-    from logra_jax.perf import memory, targets
+    from logra_jax.perf import memory, oom
     from logra_jax.rl.build import build_mesh
 
     devices = jax.devices() if devices is None else devices
@@ -171,9 +171,9 @@ def measure(config, cols, mesh_sizes, rollout_devices, micro_steps, explain, hoi
                 if kind not in generate:
                     try:
                         generate[kind] = memory.rollout_step_memory(run, rollout)
-                    except targets.DoesNotFit as e:
+                    except oom.DoesNotFit as e:
                         generate[kind] = e
-                if isinstance(generate[kind], targets.DoesNotFit):
+                if isinstance(generate[kind], oom.DoesNotFit):
                     raise generate[kind]
             if explain:
                 with tempfile.TemporaryDirectory() as dump:
@@ -184,7 +184,7 @@ def measure(config, cols, mesh_sizes, rollout_devices, micro_steps, explain, hoi
             else:
                 step = memory.update_step_memory(run, mesh, micro_steps=micro_steps, label=label,
                                                  hoist_invariants=hoist)
-        except targets.DoesNotFit as e:
+        except oom.DoesNotFit as e:
             refused[label] = e
             continue
         if compile_rollout:
@@ -196,7 +196,7 @@ def measure(config, cols, mesh_sizes, rollout_devices, micro_steps, explain, hoi
 
 def refusal_line(refusal, target_name: str) -> str:
     """The TPU compiler's refusal of a column's program as one line."""
-    from logra_jax.perf.targets import gib_text
+    from logra_jax.perf.machines import gib_text
     lever = ("; rollouts in smaller passes hold one pass's KV cache: "
              "--config.rl.rollout_micro_batch=N, N dividing the rows"
              if refusal.program.startswith("the sampler's generate") else "")
@@ -250,13 +250,13 @@ def fit_line(target, label: str, footprint: dict, peak: int) -> tuple[bool, str]
 
 def main(argv):
     del argv
-    from logra_jax.perf import memory, targets
+    from logra_jax.perf import machines, memory
 
     config = _CONFIG.value
     target, devices = None, None
     try:
         if _TARGET.value != "cpu":
-            target = targets.target(_TARGET.value).with_hosts(_HOSTS.value)
+            target = machines.machine(_TARGET.value).with_hosts(_HOSTS.value)
             devices = target.jax_devices()
         if _OPTIMIZER.value:
             config.optimizer.name = _OPTIMIZER.value

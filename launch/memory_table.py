@@ -61,14 +61,14 @@ def command(config: str, target: str, column: str, json_path: pathlib.Path,
     a dense baseline, the usual fp32 master weights; one sequence per device per micro-step on the
     target's devices (FSDP over all of them), or on ``cpu-N``'s N simulated ones. ``overrides``
     (KEY=VALUE) set config keys of every run, e.g. optimizer.galore.projector=randomized."""
-    from logra_jax.perf import targets
+    from logra_jax.perf import machines
     name, _, dtype = column.partition(":")
     n = cpu_devices(target)
     where = (["--target", "cpu", "--mesh", f"fsdp={n},tensor=1"] if n is not None
              else ["--target", target])
     args = [sys.executable, "-m", "launch.memory", "--config", config, *where,
             "--rollout_devices", "0", "--optimizer", name, "--json", str(json_path),
-            f"--config.rl.micro_batch_size={n if n is not None else targets.target(target).devices}"]
+            f"--config.rl.micro_batch_size={n if n is not None else machines.machine(target).devices}"]
     if dtype:
         args.append(f"--config.model.param_dtype={_DTYPES[dtype]}")
     for override in overrides:
@@ -160,7 +160,7 @@ def define_flags():
     flags.DEFINE_list("configs", ["configs/qwen2_5_7b_gsm8k.py", "configs/gemma3_27b.py",
                                    "configs/llama3_70b.py"], "Config files, one row each.")
     flags.DEFINE_list("targets", ["v5p-8", "v5p-16", "v6e-8", "tpu7x-8"],
-                      "TPU slices (perf/tpu.py's Cloud names), GPU nodes (perf/gpu.py: a100-80gb-8, "
+                      "TPU slices (perf/machines.py's Cloud names), GPU nodes (a100-80gb-8, "
                       "h100-8, h200-8, b200-8), or cpu-N: XLA:CPU on N simulated devices.")
     flags.DEFINE_list("columns", ["logra:bf16", "logra:fp32", "lora:bf16", "adamw", "galore"],
                       "Columns: an optimizer, LoGRA's and LoRA's optionally with :bf16 or :fp32 "

@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from logra_jax.perf import gpu, gpu_cost, targets
+from logra_jax.perf import gpu_cost, machines
 
 pytestmark = pytest.mark.skipif(
-    gpu.plugin_version() is None and os.environ.get("CI") != "true",
+    machines.plugin_version() is None and os.environ.get("CI") != "true",
     reason="the CUDA plugin (the 'gpu-plan' extra) is not installed: no XLA:GPU")
 
 BF16 = 2   # bytes
@@ -28,13 +28,13 @@ BF16 = 2   # bytes
 
 @pytest.fixture(scope="module")
 def one_gpu():
-    return NamedSharding(Mesh(np.array(targets.target("h200-8").jax_devices()[:1]), ("x",)), P())
+    return NamedSharding(Mesh(np.array(machines.machine("h200-8").jax_devices()[:1]), ("x",)), P())
 
 
 def _compile(one_gpu, fn, *shapes, donate=(), options=None):
     args = [jax.ShapeDtypeStruct(shape, dtype, sharding=one_gpu) for shape, dtype in shapes]
     return jax.jit(fn, donate_argnums=donate).lower(*args).compile(
-        compiler_options={**gpu.COMPILER_OPTIONS, **(options or {})})
+        compiler_options={**machines.XLA_GPU_OPTIONS, **(options or {})})
 
 
 def _text(one_gpu, fn, *shapes, donate=()):
@@ -225,10 +225,10 @@ def test_kernels_match_xlas_thunk_sequence_for_the_tiny_sampler(top_p, gpus, tmp
 
     config = tiny.get_config()
     config.rl.top_p = top_p
-    mesh = build_mesh({"fsdp": gpus, "tensor": 1}, targets.target("h200-8").jax_devices()[:gpus])
+    mesh = build_mesh({"fsdp": gpus, "tensor": 1}, machines.machine("h200-8").jax_devices()[:gpus])
     lowered = memory.lower_generate(config, mesh, rows=8, decode_weights="stacked").lowered
     compiled = lowered.compile(compiler_options={
-        **gpu.COMPILER_OPTIONS, "xla_dump_to": str(tmp_path), "xla_dump_hlo_as_text": True,
+        **machines.XLA_GPU_OPTIONS, "xla_dump_to": str(tmp_path), "xla_dump_hlo_as_text": True,
         "xla_dump_hlo_module_re": ".*generate.*"})
     (sequence,) = tmp_path.glob("*generate*thunk_sequence.txt")
     program = gpu_cost.Program(compiled.as_text())
@@ -261,7 +261,7 @@ def test_seconds_per_kernel_come_from_the_measured_programs_kernel_counts():
     config.model.tiny.update(hidden_size=576, num_heads=9, num_kv_heads=3, head_dim=64,
                              intermediate_size=1536, max_position_embeddings=2048)
     config.rl.update(max_prompt_length=64, max_completion_length=128, rollout_micro_batch=0)
-    mesh = build_mesh({"fsdp": 1, "tensor": 1}, targets.target("h200-8").jax_devices()[:1])
+    mesh = build_mesh({"fsdp": 1, "tensor": 1}, machines.machine("h200-8").jax_devices()[:1])
     for mode, kernels in gpu_cost.CALIBRATION["kernels_per_token"].items():
         three, four = (gpu_programs.decode_step(gpu_programs.with_layers(config, n), mesh, 1, mode)[0].kernels
                        for n in (3, 4))
@@ -308,7 +308,7 @@ def qwen_plan(tmp_path_factory):
 
 def test_launch_cost_reports_every_figure(qwen_plan):
     stdout, plan = qwen_plan
-    assert plan["compiler"].startswith(f"XLA:GPU deviceless, jax-cuda12-plugin {gpu.plugin_version()} "
+    assert plan["compiler"].startswith(f"XLA:GPU deviceless, jax-cuda12-plugin {machines.plugin_version()} "
                                        f"(jax {jax.__version__}")
     assert stdout.startswith("compiler: XLA:GPU deviceless") and "NVIDIA H200" in stdout.splitlines()[0]
     assert [d["batch"] for d in plan["decode"]] == [1, 64]
@@ -373,7 +373,7 @@ def test_logra_update_moves_no_more_bytes_than_adamw(qwen_plan):
 
 
 @pytest.mark.parametrize("args, cause", [
-    (("--target", "v5p-16"), "launch.cost reads XLA:GPU programs and has no model of what TPU"),
+    (("--target", "v5p-16"), "launch.cost reads XLA:GPU programs and has no model of what the TPU compiler"),
     (("--target", "cpu"), "no model of what XLA:CPU launches"),
     (("--target", "h300-8"), "unknown target 'h300-8'"),
     (("--target", "h200-8", "--batches", "1,zero"), "--batches 1,zero: expected positive integers"),

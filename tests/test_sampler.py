@@ -215,7 +215,7 @@ def test_rows_stay_split_over_the_params_mesh():
     shape two MLP intermediates of all rows, 2.3 GiB each per TPU chip on any number of chips.
     On XLA:CPU's simulated devices XLA's own layout is kept (the faster one there)."""
     from jax.sharding import NamedSharding, PartitionSpec
-    from logra_jax.perf import tpu
+    from logra_jax.perf import machines
     from logra_jax.sharding import make_mesh, shard_model
     mesh = make_mesh({"fsdp": 8})
     model = shard_model(Decoder(tiny(), rngs=nnx.Rngs(0)), mesh)
@@ -236,7 +236,7 @@ def test_rows_stay_split_over_the_params_mesh():
     assert 2 * split < whole, (split, whole)
     # Which mesh generate traces under: the chips' for a TPU slice's devices, none on XLA:CPU.
     assert Sampler.mesh_of(params, tokens) is None
-    chips = make_mesh({"fsdp": 8}, tpu.devices(tpu.target("v5e-8")))
+    chips = make_mesh({"fsdp": 8}, machines.machine("v5e-8").jax_devices())
     on_chips = jax.ShapeDtypeStruct(tokens.shape, tokens.dtype,
                                     sharding=NamedSharding(chips, PartitionSpec("fsdp")))
     assert Sampler.mesh_of({}, on_chips) == chips.abstract_mesh

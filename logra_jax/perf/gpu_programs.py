@@ -27,7 +27,7 @@ import jax
 import ml_collections
 
 from logra_jax import model_shapes
-from logra_jax.perf import gpu_cost, memory, targets
+from logra_jax.perf import gpu_cost, machines, memory, oom
 from logra_jax.rl.sampler import Sampler
 
 MARGINAL_LAYERS = (3, 4)
@@ -71,8 +71,8 @@ def one_pass(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
 def compile_for(lowered, mesh, what: str):
     """XLA:GPU's program of ``lowered``; a compiler failure as a ValueError naming ``what``."""
     try:
-        return targets.compile_or_refuse(lowered, compiler_options=targets.compiler_options_for(mesh),
-                                         program=what)
+        return oom.compile_or_refuse(lowered, compiler_options=machines.compiler_options_for(mesh),
+                                     program=what)
     except jax.errors.JaxRuntimeError as e:
         raise ValueError(f"XLA:GPU could not compile {what}: {str(e).splitlines()[0]}") from None
 

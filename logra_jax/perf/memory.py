@@ -35,7 +35,7 @@ from logra_jax import model_shapes
 from logra_jax import sharding as sharding_lib
 from logra_jax.models import Decoder, ModelConfig
 from logra_jax.optim import predicted_kl
-from logra_jax.perf import matmul_count, targets
+from logra_jax.perf import machines, matmul_count, oom
 from logra_jax.rl import build
 from logra_jax.rl.policy import Policy, Sequences
 from logra_jax.rl.sampler import Sampler
@@ -241,7 +241,7 @@ def update_step_memory(config: ml_collections.ConfigDict, mesh: Mesh, *, micro_s
     """
     update = lower_update(config, mesh, micro_steps=micro_steps)
     params, opt_state, batch, optimizer = update.params, update.opt_state, update.batch, update.optimizer
-    options = dict(targets.compiler_options_for(mesh))
+    options = dict(machines.compiler_options_for(mesh))
     if dump_dir is not None:
         options.update({"xla_dump_to": str(dump_dir), "xla_dump_hlo_as_text": True,
                         "xla_dump_hlo_module_re": ".*_step_impl.*"})
@@ -250,9 +250,9 @@ def update_step_memory(config: ml_collections.ConfigDict, mesh: Mesh, *, micro_s
             update_compiler_options(params).get("xla_disable_hlo_passes"),
             "while-loop-invariant-code-motion"]))
     try:
-        compiled = targets.compile_or_refuse(update.lowered, compiler_options=options or None,
+        compiled = oom.compile_or_refuse(update.lowered, compiler_options=options or None,
                                              program=f"the {label or config.optimizer.name} update")
-    except targets.DoesNotFit as e:
+    except oom.DoesNotFit as e:
         raise e.with_arguments(device_bytes((params, opt_state, batch))) from None
     stats = compiled.memory_analysis()
     cost = compiled.cost_analysis()
@@ -393,10 +393,10 @@ def rollout_step_memory(config: ml_collections.ConfigDict, mesh: Mesh, *,
     generate = lower_generate(config, mesh, decode_weights=decode_weights)
     rows, params = generate.rows, generate.params
     try:
-        stats = targets.compile_or_refuse(
+        stats = oom.compile_or_refuse(
             generate.lowered, program=f"the sampler's generate ({rows} rows)",
-            compiler_options=targets.compiler_options_for(mesh) or None).memory_analysis()
-    except targets.DoesNotFit as e:
+            compiler_options=machines.compiler_options_for(mesh) or None).memory_analysis()
+    except oom.DoesNotFit as e:
         raise e.with_arguments(device_bytes((params, generate.tokens, generate.mask))) from None
     return RolloutMemory(rows=rows, rows_per_pass=rl.rollout_micro_batch or rows,
                          weights=device_bytes(params),
