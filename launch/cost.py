@@ -14,15 +14,16 @@ target's GPUs).
 ``DECODE_WEIGHTS`` but "auto"), one decode step — one token for every row — of the compiled
 ``generate``, read off its token loop (so its host syncs and loop structure are the program's
 own): kernels per token (by kind), kernels per layer (the step's kernels at 4 layers less those at
-3 layers of the same model: from 3 layers on XLA's count grows by that much per layer), host syncs per
-token, bytes per token against the floor (the bf16 weights a GPU needs, read once, plus its rows'
-KV cache, read once) and the predicted tokens/s
+3 layers of the same model: from 3 layers on XLA's count grows by that much per layer), host
+syncs per token, bytes per token against the floor (the GPU's share of the bf16 weights plus its
+rows' KV cache, each read once) and the predicted tokens/s
 
     batch ÷ max(bytes per token ÷ the GPU's bandwidth, kernels per token × seconds per kernel)
 
 with the seconds per kernel measured on one H200 (perf/gpu_cost.py's ``SECONDS_PER_KERNEL``, with
 its evidence; ``--calibrate`` recomputes it from the measured run's program). The mode a plan
-compiles when the config's ``rl.decode_weights`` is "auto" is marked ``default``.
+compiles for the config's ``rl.decode_weights`` ("auto" measures only where it runs) is marked
+``*`` (``default`` in the JSON); ``--modes default`` reads that one alone.
 
 **update**: the config's optimizer and AdamW (fp32 master weights, as `launch.memory --compare
 adamw`), side by side: kernels, bytes, host syncs, matmul FLOPs (loops as they run).
