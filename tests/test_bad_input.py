@@ -18,7 +18,7 @@ import pytest
 from configs import base, tiny
 from launch import train as train_cli
 from logra_jax import config as config_lib
-from logra_jax.rl import build
+from logra_jax.rl import algorithms, build, optimizers
 from tiny_config import tiny_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -234,7 +234,9 @@ def test_the_rules_choices_are_the_librarys():
     assert config_lib.LOSS_AGG_MODES == losses.LOSS_AGG_MODES
     assert config_lib.ADVANTAGE_BASELINES == losses.ADVANTAGE_BASELINES
     assert config_lib.DECODE_WEIGHTS == Sampler.DECODE_WEIGHTS
-    assert config_lib.OPTIMIZERS == build.OPTIMIZERS
+    assert config_lib.OPTIMIZERS == optimizers.names()
+    assert config_lib.ALGORITHMS == algorithms.names()
+    assert config_lib.ALGORITHM_OPTIONS == {a.name: a.options for a in algorithms.ALGORITHMS.values()}
     assert config_lib.SYNC_MODES == ("off",) + sync.MODES
     assert set(config_lib.MODEL_DTYPES) == set(DTYPES)
     assert config_lib.DISTRIBUTIONS == DISTRIBUTIONS
