@@ -238,7 +238,9 @@ VALUE_RULES: dict[str, Rule] = {
     "optimizer.probe_size": POSITIVE_INT, "optimizer.max_consecutive_skips": POSITIVE_INT,
     "optimizer.max_weight_norm_growth": Rule("a number > 1 (a multiple of the initial weight norm)",
                                              lambda v: _number(v) and v > 1),
-    "optimizer.logra.variant": one_of("grpo", "kl"),
+    "optimizer.logra.variant": Rule("one of 'learning_rate', 'kl' ('grpo' is now 'learning_rate': "
+                                    "the variant is named by its step, rl.algorithm by its objective)",
+                                    lambda v: v in ("learning_rate", "kl")),
     "optimizer.logra.learning_rate": NONNEGATIVE, "optimizer.logra.weight_decay": NONNEGATIVE,
     "optimizer.logra.max_grad_norm": optional(NONNEGATIVE_OR_INF),
     "optimizer.logra.targets": REGEX, "optimizer.logra.rank": POSITIVE_INT,
