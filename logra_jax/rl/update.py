@@ -248,7 +248,7 @@ class PolicyUpdate:
         head_old = self.policy.bind(params).head_kernel()
         # The old weights' pass over the probe runs before the optimizer writes any weight: left
         # free, a scheduler may place it after a merge and must then keep a copy of that weight
-        # stack's old values (the TPU compiler did, for Qwen2.5-7B's down_proj: 1.77 GiB per chip).
+        # stack's old values (the TPU compiler does so for Qwen2.5-7B's down_proj: 1.77 GiB per chip).
         hidden_old, head_old, params = jax.lax.optimization_barrier((hidden_old, head_old, params))
         extra = {}
         if self.kl_control:
