@@ -165,6 +165,7 @@ def measure(config, cols, mesh_sizes, rollout_devices, micro_steps, explain, hoi
     lists and kept with the refusal, so the columns that fit still make a table."""
     import jax
     from logra_jax.perf import hlo_dump, memory, oom
+    from logra_jax.rl import optimizers
     from logra_jax.rl.build import build_mesh
 
     devices = jax.devices() if devices is None else devices
@@ -177,14 +178,14 @@ def measure(config, cols, mesh_sizes, rollout_devices, micro_steps, explain, hoi
                           devices[len(devices) - rollout_devices:])
                if rollout_devices else mesh)
     steps, loops, rollouts, breakdowns, refused = [], [], [], {}, {}
-    generate = {}   # the sampler's program differs between columns only by LoRA's adapters
+    generate = {}   # the sampler's program differs between columns only by an optimizer's adapters
     for label, name, param_dtype in cols:
         run = config.copy_and_resolve_references()
         run.optimizer.name = name
         run.model.param_dtype = param_dtype
         try:
             if compile_rollout:   # first: the quicker compile, and the one a big batch overfills
-                kind = name == "lora"
+                kind = name if optimizers.get(name).adapters is not None else None
                 if kind not in generate:
                     try:
                         generate[kind] = memory.rollout_step_memory(run, rollout)
