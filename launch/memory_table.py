@@ -10,11 +10,10 @@ Each column of each (config, target) cell is one ``python -m launch.memory --tar
 that column's optimizer and weights (its update and its sampler's ``generate``), with the same
 layout everywhere: the sampler colocated (``--rollout_devices 0``), FSDP over all of the target's
 devices (a TPU slice's, a GPU node's 8), one sequence per device per micro-step. One program pair
-per process bounds the host memory a run holds (five updates and a sampler in one process took
-16 GB at 7B and were OOM-killed beside the test suite; one column takes about 4 GB), at the price
-of compiling the sampler once per column. A target ``cpu-N`` is XLA:CPU's plan of the same column
-on N simulated devices (the figure the planner gave before the accelerator compilers, beside the
-targets of as many devices: v5p-8 has 4, v5p-16, v6e-8, tpu7x-8 and the GPU nodes have 8): its
+per process bounds the host memory a run holds: a process keeps every program it compiled, and a
+7B column alone needs about 4 GB, at the price of compiling the sampler once per column. A target
+``cpu-N`` is XLA:CPU's plan of the same column on N simulated devices (beside the targets of as
+many devices: v5p-8 has 4, v5p-16, v6e-8, tpu7x-8 and the GPU nodes have 8): its
 update is compiled, its rollout phase is the weights plus the KV cache from shapes, as ``--target
 cpu`` prints it, and no device memory judges it. A 7B–70B column takes 2–15 minutes of a 2-core
 machine's CPU, so the runs are resumable: each writes ``<workdir>/<config>@<target>@<column>.json`` and a column whose
@@ -99,11 +98,11 @@ def run_column(config: str, target: str, column: str, workdir: pathlib.Path,
 
 
 def _label_of(column: str, own_dtype: str | None) -> str:
-    """launch.memory's label of a column (perf/memory.py: columns)."""
+    """launch.memory's label of a column (perf/memory.py: columns): a dense baseline is always
+    planned with fp32 master weights (its registry entry's ``master_weights``)."""
+    from logra_jax.rl import optimizers
     name, _, dtype = column.partition(":")
-    if name in ("adamw", "adafactor", "galore"):
-        return name if own_dtype == "float32" else f"{name}/fp32"
-    dtype = _DTYPES.get(dtype, own_dtype)
+    dtype = optimizers.get(name).master_weights or _DTYPES.get(dtype, own_dtype)
     return name if dtype == own_dtype else f"{name}/{'bf16' if dtype == 'bfloat16' else 'fp32'}"
 
 
@@ -115,7 +114,7 @@ def cell_text(plan: dict, column: str, own_dtype: str) -> str:
     if footprint is None:
         return "–"
     peak = next(s["peak"] for s in plan["steps"] if s["optimizer"] == label)
-    # Plans written before GPU targets named the budget "hbm_per_device".
+    # The budget's key: "memory_per_device"; "hbm_per_device" in plans of TPU slices by older versions.
     budget = plan.get("memory_per_device", plan.get("hbm_per_device"))
     fits = budget is None or footprint["total"] <= budget
     return f"{footprint['total'] / GIB:.2f} ({peak / GIB:.2f})" + ("" if fits else " ✗")

@@ -18,7 +18,7 @@ import pytest
 from configs import base, tiny
 from launch import train as train_cli
 from logra_jax import config as config_lib
-from logra_jax.rl import build
+from logra_jax.rl import algorithms, build, optimizers
 from tiny_config import tiny_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -96,7 +96,9 @@ ROWS = [
     ("weight-growth", dict(optimizer=dict(max_weight_norm_growth=1.0)),
      "optimizer.max_weight_norm_growth must be a number > 1"),
     ("rank", dict(optimizer=dict(logra=dict(rank=0))), "optimizer.logra.rank must be a positive integer, got 0"),
-    ("variant", dict(optimizer=dict(logra=dict(variant="adam"))), "optimizer.logra.variant must be one of 'grpo', 'kl', got 'adam'"),
+    ("variant", dict(optimizer=dict(logra=dict(variant="adam"))), "optimizer.logra.variant must be one of 'learning_rate', 'kl'"),
+    ("variant-old-name", dict(optimizer=dict(logra=dict(variant="grpo"))),
+     "('grpo' is now 'learning_rate': the variant is named by its step, rl.algorithm by its objective), got 'grpo'"),
     ("kl-budget", dict(optimizer=dict(logra=dict(kl_control=True, kl_budget=0.0))),
      "optimizer.logra.kl_budget must be a finite number > 0, got 0.0"),
     ("targets-not-a-regex", dict(optimizer=dict(lora=dict(targets="(q_proj"))),
@@ -234,7 +236,9 @@ def test_the_rules_choices_are_the_librarys():
     assert config_lib.LOSS_AGG_MODES == losses.LOSS_AGG_MODES
     assert config_lib.ADVANTAGE_BASELINES == losses.ADVANTAGE_BASELINES
     assert config_lib.DECODE_WEIGHTS == Sampler.DECODE_WEIGHTS
-    assert config_lib.OPTIMIZERS == build.OPTIMIZERS
+    assert config_lib.OPTIMIZERS == optimizers.names()
+    assert config_lib.ALGORITHMS == algorithms.names()
+    assert config_lib.ALGORITHM_OPTIONS == {a.name: a.options for a in algorithms.ALGORITHMS.values()}
     assert config_lib.SYNC_MODES == ("off",) + sync.MODES
     assert set(config_lib.MODEL_DTYPES) == set(DTYPES)
     assert config_lib.DISTRIBUTIONS == DISTRIBUTIONS

@@ -124,13 +124,14 @@ def test_the_node_splits_the_weights_over_its_gpus(tiny_on_gpus):
     from configs import tiny
     from logra_jax import model_shapes
     from logra_jax.perf import memory
+    from logra_jax.rl import assembly
     from logra_jax.rl.build import build_mesh
     _, plan, _ = tiny_on_gpus
     config = tiny.get_config()
     config.model.tiny.update(num_layers=768, hidden_size=2048, intermediate_size=8192)
-    model = memory.abstract_model(model_shapes.model_config_from(config.model))
-    whole = memory.device_bytes(memory.abstract_params(model, build_mesh({"fsdp": 1, "tensor": 1},
-                                                                        jax.devices("cpu")[:1])))
+    model = assembly.abstract_model(model_shapes.model_config_from(config.model))
+    whole = memory.device_bytes(assembly.abstract_params(model, build_mesh({"fsdp": 1, "tensor": 1},
+                                                                          jax.devices("cpu")[:1])))
     step = plan["steps"][0]
     assert step["params"] <= whole / 8 * 1.01
     assert whole / 8 <= step["arguments"] < whole / 4

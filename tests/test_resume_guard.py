@@ -4,7 +4,7 @@ from a checkpoint whose config matches.
 
 Each test copies the workdir of the session's 2-step tiny run (`trained_tiny_run`: seed 0,
 checkpoint 2) and runs `launch.train`'s `run` on it in this process; a refusal comes before the
-model is built, and a matching resume reuses the session's compiled Trainer.
+model is built, and a matching resume reuses the session's compiled RunParts.
 """
 
 import hashlib
@@ -63,11 +63,11 @@ def test_a_resume_with_another_optimizer_is_refused_before_the_model(copied, mon
     assert "optimizer.name 'logra' → 'adamw'" in line, line
 
 
-def test_config_json_is_rebuilt_from_a_matching_checkpoint(copied, shipped_tiny_trainer):
+def test_config_json_is_rebuilt_from_a_matching_checkpoint(copied, shipped_tiny_parts):
     """max_steps, log.* and the other keys a resume may change do not count; config.json comes
     back as the resuming config."""
     config = tiny_config(dict(max_steps=2, log=dict(sample_every=5)))
-    run = trainer_lib.Run(config, copied, trainer=shipped_tiny_trainer)
+    run = trainer_lib.Run(config, copied, parts=shipped_tiny_parts)
     try:
         assert run.loop() == {}                   # step 2 already reached: restored, nothing trained
     finally:
@@ -84,7 +84,7 @@ def _strip_fingerprint(workdir: pathlib.Path) -> None:
 
 
 def test_an_old_checkpoint_without_a_config_needs_its_config_json(copied, trained_tiny_run,
-                                                                  shipped_tiny_trainer):
+                                                                  shipped_tiny_parts):
     """Without the fingerprint and without config.json nothing can tell the config: refused.
     With config.json back, config.json's check decides, as before fingerprints."""
     _strip_fingerprint(copied)
@@ -92,7 +92,7 @@ def test_an_old_checkpoint_without_a_config_needs_its_config_json(copied, traine
     assert "records no config" in line and "config.json" in line, line
     shutil.copy(trained_tiny_run.workdir / "config.json", copied / "config.json")
     assert "seed changed" in _refused(tiny_config(dict(max_steps=3, seed=1)), copied)
-    run = trainer_lib.Run(tiny_config(dict(max_steps=2)), copied, trainer=shipped_tiny_trainer)
+    run = trainer_lib.Run(tiny_config(dict(max_steps=2)), copied, parts=shipped_tiny_parts)
     try:
         assert run.loop() == {}
     finally:

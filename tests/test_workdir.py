@@ -95,7 +95,7 @@ def test_the_lock_is_held_for_the_runs_life_and_released_by_close(tmp_path, no_m
     workdir_lib.WorkdirLock(tmp_path).acquire().release()      # ... and released it
 
 
-def test_a_live_run_holds_the_lock_until_it_is_closed(tmp_path, shipped_tiny_trainer, monkeypatch):
+def test_a_live_run_holds_the_lock_until_it_is_closed(tmp_path, shipped_tiny_parts, monkeypatch):
     """A built Run — after garbage collection, and again inside its loop — refuses a second
     acquire naming this process; after close() the lock is granted. The loop is stopped at its
     first rollout, before anything compiles."""
@@ -111,7 +111,7 @@ def test_a_live_run_holds_the_lock_until_it_is_closed(tmp_path, shipped_tiny_tra
         raise Stop
 
     monkeypatch.setattr(trainer_lib, "collect_rollouts", first_rollout)
-    run = trainer_lib.Run(tiny_config(), tmp_path, trainer=shipped_tiny_trainer)
+    run = trainer_lib.Run(tiny_config(), tmp_path, parts=shipped_tiny_parts)
     try:
         gc.collect()   # a lock only the garbage holds would be released here
         with pytest.raises(ValueError, match=f"pid {os.getpid()} on host"):

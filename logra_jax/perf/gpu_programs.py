@@ -106,7 +106,7 @@ def decode_step(config: ml_collections.ConfigDict, mesh, rows: int, mode: str):
         rl = config.rl
         kv = memory.kv_cache_bytes(model, rows, rl.max_prompt_length + rl.max_completion_length, mesh)
         _STEPS[key] = (step, compiled.memory_analysis().temp_size_in_bytes,
-                       (memory.device_bytes(generate.params), kv))
+                       (memory.device_bytes(generate.weights), kv))
     return _STEPS[key]
 
 
@@ -173,4 +173,4 @@ def generate_figures(config: ml_collections.ConfigDict, mesh) -> dict:
                                rl.max_prompt_length + rl.max_completion_length, mesh)
     return dict(rows=generate.rows, rows_per_pass=per_pass,
                 temp_bytes=compiled.memory_analysis().temp_size_in_bytes, kv_cache_bytes=kv,
-                weight_bytes=memory.device_bytes(generate.params))
+                weight_bytes=memory.device_bytes(generate.weights))
