@@ -141,7 +141,7 @@ def _gb(n: float) -> str:
 
 
 def print_report(record) -> None:
-    from logra_jax.perf.memory import gib
+    from launch.memory_report import gib
     print(record["header"])
     print(f"model: {record['model']['shape']}; mesh {record['mesh']}; per GPU")
     if "decode" in record:
