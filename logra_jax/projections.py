@@ -35,6 +35,7 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 Distribution = Literal["rademacher", "gaussian", "rademacher_threefry"]
 DISTRIBUTIONS: tuple[str, ...] = ("rademacher", "gaussian", "rademacher_threefry")
@@ -63,6 +64,40 @@ def projection_keys(seed: int, path: str, update_index: jax.Array | int,
             num *= d
         keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(num, dtype=jnp.uint32))
         return keys.reshape(stack_shape + keys.shape[1:])
+
+
+def projection_keys_of(seed: int, targets: dict[str, tuple[int, ...]],
+                       update_index: jax.Array | int) -> dict[str, jax.Array]:
+    """{path: projection_keys(seed, path, update_index, stack_shape)} for every target at once.
+
+    The same keys, bit for bit (threefry is integer arithmetic, so batching it changes nothing),
+    from one batched fold_in of k over all targets and one over all their layers: a compiled
+    program then derives the keys of every target in a couple of kernels rather than a few per
+    target (XLA:GPU launches each separately).
+    """
+    paths = list(targets)
+    if not paths:
+        return {}
+    with jax.named_scope("logra_projection"):
+        ids = jnp.asarray([layer_id(path) for path in paths], jnp.uint32)
+        index = jnp.asarray(update_index, jnp.uint32)
+        base = jax.vmap(lambda i: jax.random.fold_in(
+            jax.random.fold_in(jax.random.PRNGKey(seed), i), index))(ids)            # (T, 2)
+        # Layers per target; an unstacked target's key is its base key (no layer folded in).
+        sizes = [math.prod(targets[path]) if targets[path] else 0 for path in paths]
+        owner = np.repeat(np.arange(len(paths)), sizes)
+        layer = np.concatenate([np.arange(n, dtype=np.uint32) for n in sizes])
+        layered = (jax.vmap(jax.random.fold_in)(base[owner], jnp.asarray(layer)) if len(layer)
+                   else base[:0])
+        keys, start = {}, 0
+        for t, path in enumerate(paths):
+            stack = tuple(targets[path])
+            if not stack:
+                keys[path] = base[t]
+                continue
+            keys[path] = layered[start:start + sizes[t]].reshape(stack + base.shape[1:])
+            start += sizes[t]
+        return keys
 
 
 def projection_parts(key: jax.Array, rank: int, in_dim: int,

@@ -27,7 +27,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from logra_jax.projections import DISTRIBUTIONS, KernelLayout, SketchProbe, projection_keys
+from logra_jax.projections import (DISTRIBUTIONS, KernelLayout, SketchProbe, projection_keys,
+                                   projection_keys_of)
 from logra_jax.sharding import sharding_without_in_dim
 from logra_jax.tree_paths import leaves_with_paths, map_with_paths, path_str
 
@@ -169,6 +170,12 @@ class SketchSpec:
         """PRNG key data of A for every layer of the target: shape (*stack, 2)."""
         return projection_keys(self.seed, info.path, update_index, info.stack_shape)
 
+    def keys_of(self, targets: dict[str, TargetInfo], update_index: jax.Array | int) -> dict[str, jax.Array]:
+        """{path: ``keys(info, update_index)``} of all ``targets``, derived together (the same keys;
+        `projection_keys_of`)."""
+        return projection_keys_of(self.seed, {path: info.stack_shape for path, info in targets.items()},
+                                  update_index)
+
 
 def make_probes(params, update_index: jax.Array | int, spec: SketchSpec,
                 dtype=jnp.float32) -> dict[str, SketchProbe]:
@@ -179,11 +186,13 @@ def make_probes(params, update_index: jax.Array | int, spec: SketchSpec,
     """
     k = spec.projection_index(update_index)
     kernels = dict(leaves_with_paths(params))
+    targets = spec.find_targets(params)
+    keys = spec.keys_of(targets, k)
     probes = {}
-    for path, info in spec.find_targets(params).items():
+    for path, info in targets.items():
         factor = jnp.zeros(info.sketch_shape, dtype, device=sharding_without_in_dim(
             kernels[path], keep_last=True, layout=info.layout))
-        probes[path] = SketchProbe(key=spec.keys(info, k), factor=factor,
+        probes[path] = SketchProbe(key=keys[path], factor=factor,
                                    distribution=spec.distribution, factor_is_zero=True)
     return probes
 

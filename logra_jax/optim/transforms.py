@@ -82,10 +82,11 @@ def clip_by_reconstructed_norm(spec: SketchSpec = SketchSpec(),
         k = state.update_index
         sketches = {path: as_sketch(g, targets[path], spec, k)
                     for path, g in leaves_with_paths(updates) if path in targets}
+        keys = spec.keys_of({path: targets[path] for path in sketches}, k)
         sq = jnp.zeros([], jnp.float32)
         for path, s in sketches.items():
             info = targets[path]
-            sq += low_rank.reconstructed_sq_norm(s, spec.keys(info, k), info.in_dim,
+            sq += low_rank.reconstructed_sq_norm(s, keys[path], info.in_dim,
                                                  spec.distribution, info.stack_shape)
         for path, g in leaves_with_paths(updates):
             if path not in targets:
@@ -156,11 +157,12 @@ def scale_by_update_ratio(spec: SketchSpec = SketchSpec(),
         targets = spec.find_targets(params)
         k = state.update_index
         weight_sq = sum(_sq_norm(p) for path, p in leaves_with_paths(params) if path in targets)
+        keys = spec.keys_of(targets, k)
         delta_sq = jnp.zeros([], jnp.float32)
         for path, d in leaves_with_paths(updates):
             if path in targets:
                 info = targets[path]
-                delta_sq += low_rank.reconstructed_sq_norm(d, spec.keys(info, k), info.in_dim,
+                delta_sq += low_rank.reconstructed_sq_norm(d, keys[path], info.in_dim,
                                                            spec.distribution, info.stack_shape)
         delta_norm = jnp.sqrt(delta_sq)
         c = jnp.where(delta_norm > 0,
@@ -209,6 +211,8 @@ def to_low_rank_updates(spec: SketchSpec = SketchSpec(), *,
         else:
             weight_scale = 1.0 - _at(learning_rate, state.count) * _f32(weight_decay)
 
+        keys = spec.keys_of(targets, k)
+
         def wrap(path, u):
             if path not in targets:
                 return u
@@ -218,7 +222,7 @@ def to_low_rank_updates(spec: SketchSpec = SketchSpec(), *,
                                  f"{tuple(u.shape)}, expected the factor shape {info.sketch_shape}; "
                                  f"put it after scale_by_row_adam in the chain")
             factor = u if factor_dtype is None else u.astype(factor_dtype)
-            return LowRankUpdate(factor=factor, key=spec.keys(info, k), weight_scale=weight_scale,
+            return LowRankUpdate(factor=factor, key=keys[path], weight_scale=weight_scale,
                                  distribution=spec.distribution, rounding=merge_rounding,
                                  exact=exact_merge, layout=info.layout)
 
