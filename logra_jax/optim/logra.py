@@ -194,13 +194,15 @@ def logra(*, variant: str = "grpo",
                       refresh=refresh, layouts=layouts)
 
     if variant == "grpo":
-        target_tx = optax.chain(scale_by_row_adam(spec, variant="grpo", b2=b2, eps=eps),
+        target_tx = optax.chain(scale_by_row_adam(spec, variant="grpo", b2=b2, eps=eps,
+                                                  check_finite=False),
                                 scale_by_step_size(learning_rate))
         wrap = to_low_rank_updates(spec, learning_rate=learning_rate, weight_decay=weight_decay,
                                    factor_dtype=_FACTOR_DTYPES[factor_dtype],
                                    merge_rounding=merge_rounding, exact_merge=exact_merge)
     else:
-        target_tx = optax.chain(scale_by_row_adam(spec, variant="kl", b2=b2, eps=eps),
+        target_tx = optax.chain(scale_by_row_adam(spec, variant="kl", b2=b2, eps=eps,
+                                                  check_finite=False),
                                 scale_by_update_ratio(spec, update_ratio))
         wrap = to_low_rank_updates(spec, factor_dtype=jnp.bfloat16, merge_rounding=merge_rounding,
                                    exact_merge=exact_merge)

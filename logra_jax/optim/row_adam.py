@@ -80,12 +80,15 @@ def row_adam_direction(s: jax.Array, v: jax.Array, t: jax.Array, *, variant: str
 
 
 def scale_by_row_adam(spec: SketchSpec = SketchSpec(), *, variant: str = "grpo", b2: float = 0.95,
-                      eps: float = 1e-8) -> optax.GradientTransformationExtraArgs:
+                      eps: float = 1e-8, check_finite: bool = True) -> optax.GradientTransformationExtraArgs:
     """Sketch → RowAdam direction D (*stack, out, r) for every target; other leaves pass unchanged.
 
     Target gradients may be sketches S (the memory-saving path) or dense kernel gradients, which
     are sketched here with A_l(k) — that saves optimizer state, not gradient memory. A non-finite
     sketch is dropped whole: D = 0 for every target, v unchanged, counters still advance.
+    ``check_finite=False`` leaves that to a guard around the chain (``logra(...)``'s
+    ``skip_nonfinite``, which drops the whole update when any D is non-finite): the check reads
+    every sketch once more, and on a GPU launches a reduction per target.
 
     Update kwargs: ``num_tokens`` (``"kl"``: the number of valid generated tokens the sketch sums
     over; default 1, i.e. the loss is already a token mean).
@@ -112,7 +115,7 @@ def scale_by_row_adam(spec: SketchSpec = SketchSpec(), *, variant: str = "grpo",
         targets = spec.find_targets(require_params(params, "scale_by_row_adam"))
         sketches = {path: as_sketch(g, targets[path], spec, state.update_index)
                     for path, g in leaves_with_paths(updates) if path in targets}
-        finite = low_rank.all_finite(sketches)
+        finite = low_rank.all_finite(sketches) if check_finite else jnp.asarray(True)
         t = (state.count + 1).astype(jnp.float32)
         tokens = 1.0 if num_tokens is None else num_tokens
         directions, moments = {}, {}
