@@ -164,7 +164,7 @@ def logra(*, variant: str = "grpo",
     Update kwargs: ``predict_kl``, ``mismatch`` and ``candidate_kl`` (kl_control), ``num_tokens`` (variant "kl": the
     number of valid generated tokens the sketches sum over; default 1 = already a token mean).
     Target gradients may be sketches (memory-saving) or dense (drop-in; saves state only).
-    Returned target updates are ``LowRankUpdate``; apply with ``apply_updates`` (layer by layer)
+    Returned target updates are ``LowRankUpdate``; apply with ``apply_updates`` (in place)
     or ``optax.apply_updates`` (materialises each leaf's ΔW).
     """
     if variant not in ("grpo", "kl"):

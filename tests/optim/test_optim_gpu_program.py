@@ -1,0 +1,141 @@
+"""The LoGRA optimizer as each compiler gets it: batched over the layer stack for XLA:GPU, one layer
+per loop iteration for XLA:CPU and the TPU compiler (low_rank.layers_per_step).
+
+XLA:GPU launches every operation of a loop body once per iteration: a loop over the layers of each
+target made Qwen2.5-1.5B's optimizer ~3,900 kernels (docs/results/step_time.md). Here the optimizer's
+update and merge, compiled deviceless for an H100 on a stack of 2 and of 10 layers, must launch the
+same number of kernels, up to XLA's fusion choices for other shapes (fewer than one more per added
+layer; a loop over layers adds dozens): nothing in it may run once per layer. The count reads the
+optimized HLO as XLA:GPU runs it (a fusion, copy or library call is one launch; a while loop's body
+runs its known trip count of times).
+"""
+
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from logra_jax.optim import apply_updates_counting_changes, logra, predicted_kl
+from logra_jax.optim.targets import SketchSpec
+from logra_jax.perf import gpu, targets, tpu
+from logra_jax.tree_paths import map_with_paths
+
+# What XLA:GPU launches nothing for (the rest of the instructions of a computation each launch once).
+_NO_LAUNCH = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "after-all",
+              "add-dependency", "opt-barrier", "partition-id", "replica-id"}
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?[\w.\-]+ = .*? ([\w\-]+)\(")
+
+
+def launches(hlo: str) -> int:
+    """Kernels (and memcpys, library calls) an optimized XLA:GPU module launches when it runs once:
+    each instruction of the entry computation, loop bodies counted per trip, calls and conditional
+    branches followed."""
+    computations, entry, current = {}, None, None
+    for line in hlo.splitlines():
+        header = re.match(r"^(ENTRY )?%?([\w.\-]+) .*\{\s*$", line)
+        if header:
+            current = computations.setdefault(header.group(2), [])
+            entry = header.group(2) if header.group(1) else entry
+        elif line.startswith("}"):
+            current = None
+        elif current is not None and _INSTRUCTION.match(line):
+            current.append((_INSTRUCTION.match(line).group(1), line))
+
+    def count(name):
+        total = 0
+        for opcode, line in computations[name]:
+            if opcode == "while":
+                trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+                assert trips, f"a loop without a known trip count: {line[:200]}"
+                total += int(trips.group(1)) * count(re.search(r"body=%?([\w.\-]+)", line).group(1))
+            elif opcode in ("call", "conditional"):
+                called = re.findall(r"(?:to_apply|branch_computations|true_computation|"
+                                    r"false_computation)=\{?%?([\w.\-, %]+)\}?", line)
+                total += max(count(c.strip().lstrip("%")) for group in called for c in group.split(","))
+            elif opcode not in _NO_LAUNCH and not opcode.endswith("-done"):
+                total += 1
+        return total
+    return count(entry)
+
+
+def _params(layers: int):
+    f32 = jnp.float32
+    return {"embed": jax.ShapeDtypeStruct((64, 32), f32),
+            "layers": {"norm": jax.ShapeDtypeStruct((layers, 32), f32),
+                       "q_proj": {"kernel": jax.ShapeDtypeStruct((layers, 32, 48), f32)},
+                       "up_proj": {"kernel": jax.ShapeDtypeStruct((layers, 32, 96), jnp.bfloat16)},
+                       "down_proj": {"kernel": jax.ShapeDtypeStruct((layers, 96, 32), f32)}}}
+
+
+def _optimizer_step(devices, layers: int, variant: str, exact: bool):
+    """The optimizer's update and merge of a ``layers``-deep stack, lowered for ``devices[0]``."""
+    mesh = Mesh(devices[:1], ("fsdp",))
+    placed = NamedSharding(mesh, P())
+    tx = logra(variant=variant, rank=8, exact_merge=exact)
+    spec = SketchSpec(rank=8)
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=placed),
+                          _params(layers))
+
+    def gradient(path, x):   # sketches at the targets, dense gradients elsewhere
+        shape = spec.info(path, x.shape).sketch_shape if spec.is_target(path) else x.shape
+        return jax.ShapeDtypeStruct(shape, jnp.float32, sharding=placed)
+    grads = map_with_paths(gradient, params)
+    state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=placed),
+                         jax.eval_shape(tx.init, params))
+
+    def step(params, state, grads):
+        kwargs = {"predict_kl": lambda *_: jnp.float32(1e-4)} if variant == "kl" else {}
+        updates, state = tx.update(grads, state, params, **kwargs)
+        return (*apply_updates_counting_changes(params, updates), state)
+    with predicted_kl.host_checks_left_out():   # its host callback lowers for no deviceless target
+        return jax.jit(step, donate_argnums=(0, 1)).lower(params, state, grads)
+
+
+# CI installs the gpu-plan extra: there a missing plugin fails these tests instead of skipping them.
+_NO_XLA_GPU = gpu.plugin_version() is None and os.environ.get("CI") != "true"
+_NO_XLA_GPU_REASON = "the CUDA plugin (the 'gpu-plan' extra) is not installed: no XLA:GPU"
+needs_xla_gpu = pytest.mark.skipif(_NO_XLA_GPU, reason=_NO_XLA_GPU_REASON)
+
+
+@needs_xla_gpu
+@pytest.mark.parametrize("variant, exact", [("grpo", False), ("kl", True)])
+def test_on_a_gpu_the_optimizer_launches_no_kernel_per_layer(variant, exact):
+    """GRPO with the plain merge (clipping's reconstructed norm, the merge) and the KL variant
+    with the order-free merge (also the update ratio's norm): 8 more layers, not 8 more kernels
+    (a loop over layers adds some 50 to 100 a layer here)."""
+    devices = targets.target("h100-8").jax_devices()
+    counts = {}
+    for layers in (2, 10):
+        hlo = _optimizer_step(devices, layers, variant, exact).compile(
+            compiler_options=gpu.COMPILER_OPTIONS).as_text()
+        counts[layers] = launches(hlo)
+    print(f"\n{variant}, exact={exact}: kernels launched by 2 / 10 layers: {counts}")
+    assert abs(counts[10] - counts[2]) < 8, counts
+
+
+def _loops_over_the_stack(hlo: str, layers: int) -> int:
+    """While loops that carry a ``layers``-deep stack (a layer loop rewrites or maps it)."""
+    return sum(1 for line in hlo.splitlines()
+               if re.search(r" = \(.*\) while\(", line) and re.search(rf"\[{layers},", line.split(" while(")[0]))
+
+
+@pytest.mark.parametrize("compiler", ["XLA:GPU", "XLA:CPU", "TPU"])
+def test_only_xla_gpu_gets_the_batched_form(compiler):
+    """The plain merge (no loop over slice pairs): no loop over the 5-layer stack for XLA:GPU; the
+    loops over layers (the norm's, the merge's: 3 targets each) for XLA:CPU and the TPU compiler,
+    which launch nothing per iteration and hold one layer's temporaries at a time."""
+    if compiler == "XLA:GPU":
+        if _NO_XLA_GPU:
+            pytest.skip(_NO_XLA_GPU_REASON)
+        devices, options = targets.target("h100-8").jax_devices(), gpu.COMPILER_OPTIONS
+    elif compiler == "TPU":
+        if tpu.libtpu_version() is None:
+            pytest.skip("libtpu (the 'tpu' extra) is not installed: no TPU compiler")
+        devices, options = tpu.target("v5e-8").jax_devices(), None
+    else:
+        devices, options = jax.devices(), None
+    hlo = _optimizer_step(devices, 5, "grpo", False).compile(compiler_options=options).as_text()
+    assert _loops_over_the_stack(hlo, 5) == (0 if compiler == "XLA:GPU" else 6), compiler
