@@ -47,6 +47,8 @@ def map_layers(fn, stack_shape: tuple[int, ...], *arrays, chunk: int = 1):
         return fn(*arrays)
     n = math.prod(stack_shape)
     flat = [a.reshape((n,) + a.shape[len(stack_shape):]) for a in arrays]
+    if chunk > 1:
+        flat = _together(flat)
     if chunk >= n:
         out = jax.vmap(fn)(*flat)
     else:
@@ -56,30 +58,44 @@ def map_layers(fn, stack_shape: tuple[int, ...], *arrays, chunk: int = 1):
 
 # Where a stack program (merge, norms, dense sketches) is batched over layers: on GPUs, where
 # XLA:GPU launches every operation of a loop body once per layer (a per-layer loop over 7 targets ×
-# 28 layers launched ~3,900 kernels for Qwen2.5-1.5B's optimizer, against ~230 batched), as many
-# layers per step as keep the step's largest temporary (its fp32 U·A, or the layers' A) under
-# `GPU_STEP_BYTES`. Elsewhere one layer per step: XLA:CPU and the TPU compiler run a loop's
-# iterations without a launch each.
+# 28 layers made Qwen2.5-1.5B's optimizer 3,910 kernel launches), as many layers per step as keep
+# the step's largest temporary (its fp32 U·A, or the layers' A) within `GPU_STEP_BYTES` per device.
+# What a step may hold is what is free at the merges, below the update's peak (the backward pass):
+# for Qwen2.5-1.5B on one H200 all 28 layers of an MLP projection (1.4 GiB) fit once the dense
+# updates are applied first (`_dense_first`), and raised the peak by 1.1 GiB beside them (XLA:GPU's
+# plans). Elsewhere one layer per step: XLA:CPU and the TPU compiler run a loop's iterations
+# without a launch each.
 _BATCHED_PLATFORMS = ("cuda", "rocm")
 GPU_STEP_BYTES = 2 * 2 ** 30
 
 
-def layers_per_step(n: int, layer_bytes: int, platform: str) -> int:
+def layers_per_step(n: int, layer_bytes: float, platform: str) -> int:
     """Layers of an ``n``-layer stack one step handles on ``platform`` ("cpu", "cuda", "rocm",
-    "tpu"), when one layer's largest temporary takes ``layer_bytes`` (the whole array's, before
-    any sharding): steps of equal size, as few as keep a step's under `GPU_STEP_BYTES` on a GPU."""
+    "tpu"), when one layer's largest temporary takes ``layer_bytes`` on a device: steps of equal
+    size, as few as keep a step's under `GPU_STEP_BYTES` on a GPU; one layer elsewhere."""
     if platform not in _BATCHED_PLATFORMS or n <= 1:
         return 1
     steps = max(1, math.ceil(n * layer_bytes / GPU_STEP_BYTES))
     return math.ceil(n / steps)
 
 
+def _together(arrays):
+    """``arrays``, none available before all are: what a batched step computes from its keys alone
+    (the layers' A, from the start of the update on) is then computed when its data arrive, not
+    hoisted by the scheduler to hold every layer's A through the backward pass."""
+    return jax.lax.optimization_barrier(arrays)
+
+
 def by_platform(fn, stack_shape: tuple[int, ...], layer_bytes: int, *args):
     """``fn(*args, chunk=c)``, c = `layers_per_step` of the platform the program is lowered for
     (``jax.lax.platform_dependent``: a deviceless GPU compile on a CPU host gets the GPU's form,
-    and each platform's program holds only its own)."""
+    and each platform's program holds only its own). ``layer_bytes``: one layer's largest
+    temporary, the whole array's; a device holds its share of the mesh traced under (FSDP and
+    tensor parallelism split every target), all of it outside one."""
     n = math.prod(stack_shape)
-    chunks = {p: layers_per_step(n, layer_bytes, p) for p in ("cpu", "tpu", *_BATCHED_PLATFORMS)}
+    mesh = jax.sharding.get_abstract_mesh()
+    per_device = layer_bytes / (1 if mesh.empty else mesh.size)
+    chunks = {p: layers_per_step(n, per_device, p) for p in ("cpu", "tpu", *_BATCHED_PLATFORMS)}
     default = chunks.pop("cpu")
     others = {p: c for p, c in chunks.items() if c != default}
     if not others:
@@ -164,7 +180,8 @@ class LowRankUpdate:
         def one(u, key):
             return _delta_one(u, key, in_dim, self.distribution, self.exact)
         return by_platform(lambda f, k, chunk: map_layers(one, self.stack_shape, f, k, chunk=chunk),
-                           self.stack_shape, 4 * in_dim * self.factor.shape[-2], self.factor, self.key)
+                           self.stack_shape, _delta_bytes((in_dim, self.factor.shape[-2]), self.exact),
+                           self.factor, self.key)
 
     def merge_into(self, kernel: jax.Array) -> jax.Array:
         """weight_scale·K + ΔK in place (with donation), in K's dtype, layers in steps
@@ -192,12 +209,15 @@ class LowRankUpdate:
         factors = self.factor.reshape((n,) + self.factor.shape[-2:])
         keys = self.key.reshape((n,) + self.key.shape[len(self.stack_shape):])
 
-        def merge_one(old, factor, key):
-            return _merge_one(old, factor, key, self.weight_scale, self.distribution,
-                              self.rounding, self.exact)
+        def delta_one(factor, key):
+            with jax.named_scope("logra_merge"):  # named for profiles (logra_jax/perf/profiling.py)
+                return _delta_one(factor, key, kernels.shape[-2], self.distribution, self.exact)
+
+        def apply(old, delta, key):
+            return _apply_delta(old, delta, key, self.weight_scale, self.rounding)
         kernels, changed = by_platform(
-            lambda k, f, keys_, chunk: _merge_stack(merge_one, k, f, keys_, chunk),
-            self.stack_shape, 4 * math.prod(kernel.shape[-2:]), kernels, factors, keys)
+            lambda k, f, keys_, chunk: _merge_stack(delta_one, apply, k, f, keys_, chunk),
+            self.stack_shape, _delta_bytes(kernel.shape[-2:], self.exact), kernels, factors, keys)
         return kernels.reshape(kernel.shape), changed
 
     def __radd__(self, kernel):
@@ -213,41 +233,57 @@ class LowRankUpdate:
     __add__ = __radd__
 
 
-def _merge_stack(merge_one, kernels, factors, keys, chunk: int):
-    """(kernels with every layer i ← merge_one(kernels[i], factors[i], keys[i]), the mean over
-    layers of the fraction of entries that changed), ``chunk`` layers per step (`map_layers`).
+def _merge_stack(delta_one, apply, kernels, factors, keys, chunk: int):
+    """(kernels with every layer i ← apply(kernels[i], delta_one(factors[i], keys[i]), keys[i]),
+    the mean over layers of the fraction of entries that changed), ``chunk`` layers per step.
 
-    Written in place: a loop over steps reads and rewrites its layers of the stack's buffer
-    (fori_loop + dynamic_update_slice; a scan emitting a new stack would hold a second copy of all
-    target weights), and with one step for all layers each entry's new value is an elementwise
-    function of its old one, which XLA writes over the donated buffer.
+    Written in place. Where a step takes part of the stack (one layer on a CPU or TPU), a loop
+    rewrites the step's layers of the stack's buffer (fori_loop + dynamic_update_slice; a scan
+    emitting a new stack would hold a second copy of all target weights), after counting the
+    changes in a pass of its own over the old weights and U·A. Where one step takes the whole
+    stack, its new weights go over the old ones together with one byte per entry that says whether
+    it changed, counted afterwards: old weights and U·A are read once. (Counted in the kernel that
+    writes, the new weights would need a buffer of their own: XLA writes no output over an input
+    that a reduction in the same kernel reads.)
     """
     n = kernels.shape[0]
-    if chunk >= n:
-        merged = jax.vmap(merge_one)(kernels, factors, keys)
-        return merged, jnp.sum(jax.vmap(_changed_fraction)(merged, kernels)) / n
+    zero = jnp.zeros((), jnp.float32)
     if chunk == 1:
         def body(i, carry):
             kernels, changed = carry
             old = jax.lax.dynamic_index_in_dim(kernels, i, keepdims=False)
-            new = merge_one(old, factors[i], keys[i])
+            new = apply(old, delta_one(factors[i], keys[i]), keys[i])
             return (jax.lax.dynamic_update_index_in_dim(kernels, new, i, 0),
                     changed + _changed_fraction(new, old) / n)
-        return jax.lax.fori_loop(0, n, body, (kernels, jnp.zeros((), jnp.float32)))
+        return jax.lax.fori_loop(0, n, body, (kernels, zero))
+
+    factors, keys = _together((factors, keys))
+    if chunk >= n:
+        new = jax.vmap(apply)(kernels, jax.vmap(delta_one)(factors, keys), keys)
+        new, flags = _together((new, (new != kernels).astype(jnp.int8)))
+        counts = jnp.sum(flags, axis=tuple(range(1, flags.ndim)), dtype=jnp.int32)
+        return new, jnp.sum(counts.astype(jnp.float32) / math.prod(flags.shape[1:])) / n
 
     def merge_layers(kernels, changed, start, size):
-        old = jax.lax.dynamic_slice_in_dim(kernels, start, size)
-        new = jax.vmap(merge_one)(old, jax.lax.dynamic_slice_in_dim(factors, start, size),
-                                  jax.lax.dynamic_slice_in_dim(keys, start, size))
+        old, step_keys = (jax.lax.dynamic_slice_in_dim(x, start, size) for x in (kernels, keys))
+        delta = jax.vmap(delta_one)(jax.lax.dynamic_slice_in_dim(factors, start, size), step_keys)
+        fractions = jax.vmap(lambda o, d, k: _changed_fraction(apply(o, d, k), o))(old, delta, step_keys)
+        old, delta, fractions = _together((old, delta, fractions))
+        new = jax.vmap(apply)(old, delta, step_keys)
         return (jax.lax.dynamic_update_slice_in_dim(kernels, new, start, 0),
-                changed + jnp.sum(jax.vmap(_changed_fraction)(new, old)) / n)
+                changed + jnp.sum(fractions) / n)
 
     steps, tail = divmod(n, chunk)
-    kernels, changed = jax.lax.fori_loop(
-        0, steps, lambda i, c: merge_layers(*c, i * chunk, chunk), (kernels, jnp.zeros((), jnp.float32)))
+    carry = jax.lax.fori_loop(0, steps, lambda i, c: merge_layers(*c, i * chunk, chunk), (kernels, zero))
     if tail:
-        kernels, changed = merge_layers(kernels, changed, steps * chunk, tail)
-    return kernels, changed
+        carry = merge_layers(*carry, steps * chunk, tail)
+    return carry
+
+
+def _delta_bytes(shape: tuple[int, int], exact: bool) -> int:
+    """Bytes a layer's ΔK (in, out) holds while it is formed: the fp32 product, and for the
+    order-free one also the running sum its exact slice products are added to."""
+    return 4 * math.prod(shape) * (2 if exact else 1)
 
 
 def _check_kernel(kernel, update: LowRankUpdate):
@@ -290,6 +326,12 @@ def _merge_one(kernel, u, key, weight_scale, distribution, rounding="nearest", e
     bf16 K the fp32 sum is rounded by ``rounding``, stochastically with a key derived from A's."""
     with jax.named_scope("logra_merge"):  # named for profiles (logra_jax/perf/profiling.py)
         delta = _delta_one(u, key, kernel.shape[0], distribution, exact)
+        return _apply_delta(kernel, delta, key, weight_scale, rounding)
+
+
+def _apply_delta(kernel, delta, key, weight_scale, rounding="nearest"):
+    """`_merge_one` given ΔK (in, out, fp32): the elementwise part."""
+    with jax.named_scope("logra_merge"):
         merged = rounded(weight_scale * kernel.astype(jnp.float32)) + delta
         return round_to(merged, kernel.dtype, rounding,
                         jax.random.fold_in(key, _ROUNDING_SALT) if rounding == "stochastic" else None)
@@ -314,6 +356,17 @@ def apply_updates(params, updates):
     return apply_updates_counting_changes(params, updates)[0]
 
 
+def _dense_first(params, updates):
+    """(params, updates), on a GPU only once the dense updates are applied: the merges' batched
+    steps then start after the dense leaves' gradients and updates (an embedding's are a
+    parameter-sized pair) are freed, instead of holding their temporaries beside them."""
+    if not any(isinstance(u, LowRankUpdate) for u in jax.tree.leaves(updates, is_leaf=_is_low_rank)):
+        return params, updates
+    return jax.lax.platform_dependent(
+        (params, updates), default=lambda x: x,
+        **{p: jax.lax.optimization_barrier for p in _BATCHED_PLATFORMS})
+
+
 def apply_updates_counting_changes(params, updates):
     """``apply_updates`` and the fraction of low-rank-updated entries whose stored value changed.
 
@@ -323,15 +376,20 @@ def apply_updates_counting_changes(params, updates):
     changed, total = [], []
 
     def add(p, u):
-        if p is None or u is None:
+        if p is None or u is None or isinstance(u, LowRankUpdate):
             return p
-        if isinstance(u, LowRankUpdate):
+        return jnp.asarray(p + u).astype(jnp.asarray(p).dtype)
+
+    def merge(p, u):
+        if isinstance(u, LowRankUpdate) and p is not None:
             merged, fraction = u.merge_counting_changes(p)
             changed.append(fraction * float(p.size))   # a Python float: sizes pass int32 at 7B
             total.append(float(p.size))
             return merged
-        return jnp.asarray(p + u).astype(jnp.asarray(p).dtype)
+        return p
     params = jax.tree.map(add, params, updates, is_leaf=lambda x: x is None)
+    params, updates = _dense_first(params, updates)
+    params = jax.tree.map(merge, params, updates, is_leaf=lambda x: x is None)
     fraction = (sum(changed) / sum(total)).astype(jnp.float32) if total else jnp.float32(jnp.nan)
     return params, fraction
 

@@ -7,7 +7,8 @@ update and merge, compiled deviceless for an H100 on a stack of 2 and of 10 laye
 same number of kernels, up to XLA's fusion choices for other shapes (fewer than one more per added
 layer; a loop over layers adds dozens): nothing in it may run once per layer. The count reads the
 optimized HLO as XLA:GPU runs it (a fusion, copy or library call is one launch; a while loop's body
-runs its known trip count of times).
+runs its known trip count of times). And the batched form is the same arithmetic: every step size
+merges the same bits.
 """
 
 import os
@@ -15,10 +16,12 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from logra_jax.optim import apply_updates_counting_changes, logra, predicted_kl
+from logra_jax.optim import (LowRankUpdate, apply_updates_counting_changes, logra, low_rank,
+                             predicted_kl, projection_keys)
 from logra_jax.optim.targets import SketchSpec
 from logra_jax.perf import gpu, targets, tpu
 from logra_jax.tree_paths import map_with_paths
@@ -139,3 +142,26 @@ def test_only_xla_gpu_gets_the_batched_form(compiler):
         devices, options = jax.devices(), None
     hlo = _optimizer_step(devices, 5, "grpo", False).compile(compiler_options=options).as_text()
     assert _loops_over_the_stack(hlo, 5) == (0 if compiler == "XLA:GPU" else 6), compiler
+
+
+@pytest.mark.parametrize("param_dtype", [jnp.float32, jnp.bfloat16])
+def test_every_step_size_merges_the_same_bits(monkeypatch, param_dtype):
+    """The batched form is the per-layer arithmetic, by construction: the order-free merge of a
+    7-layer stack (into bf16 with stochastic rounding too) gives the same bits one layer a step,
+    3 a step (two steps and a 1-layer tail) and 7 at once, and the same count of changed entries;
+    the reconstructed norm agrees to fp32 rounding (plain fp32 dots, summed over layers)."""
+    kernel = (0.02 * jax.random.normal(jax.random.PRNGKey(0), (7, 48, 40))).astype(param_dtype)
+    update = LowRankUpdate(factor=1e-4 * jax.random.normal(jax.random.PRNGKey(1), (7, 40, 8)),
+                           key=projection_keys(5, "layers/mlp/up_proj/kernel", 3, (7,)),
+                           weight_scale=jnp.float32(0.999), rounding="stochastic")
+    merged, norms = {}, {}
+    for chunk in (1, 3, 7):
+        monkeypatch.setattr(low_rank, "layers_per_step", lambda n, layer_bytes, platform: chunk)
+        merged[chunk] = jax.jit(lambda k, u: u.merge_counting_changes(k))(kernel, update)
+        norms[chunk] = jax.jit(lambda f, k: low_rank.reconstructed_sq_norm(
+            f, k, 48, "rademacher", (7,)))(update.factor, update.key)
+    assert float(merged[1][1]) > 0.01                   # the update changed entries
+    for chunk in (3, 7):
+        np.testing.assert_array_equal(np.asarray(merged[chunk][0]), np.asarray(merged[1][0]))
+        assert float(merged[chunk][1]) == pytest.approx(float(merged[1][1]), rel=1e-6)
+        assert float(norms[chunk]) == pytest.approx(float(norms[1]), rel=1e-6)
