@@ -4,7 +4,8 @@ Order inside ``logra(...)``::
 
     clip_by_reconstructed_norm   sketch dense target grads; global norm ‖g‖ over the reconstructed
                                  gradient S·A of targets and the dense rest; optional clipping
-    partition  targets: scale_by_row_adam → scale_by_step_size (grpo) | scale_by_update_ratio (kl)
+    partition  targets: scale_by_row_adam → scale_by_step_size (learning_rate)
+                                          | scale_by_update_ratio (kl)
                others:  AdamW | frozen
     scale_by_predicted_kl        optional (§6): α on everything, still in sketch space
     to_low_rank_updates          U → LowRankUpdate(U, key of A, weight_scale); bf16 U for "kl"
@@ -112,7 +113,7 @@ class StepSizeState(NamedTuple):
 
 
 def scale_by_step_size(learning_rate: optax.ScalarOrSchedule) -> optax.GradientTransformationExtraArgs:
-    """u ← −lr(t)·u on every leaf (the GRPO variant's η, applied to D in sketch space).
+    """u ← −lr(t)·u on every leaf (the learning-rate variant's η, applied to D in sketch space).
 
     Same as ``optax.scale_by_learning_rate``, except that its counter advances on skipped steps like
     every LoGRA counter, so lr(t) here and the weight decay of ``to_low_rank_updates`` stay in step.
@@ -188,7 +189,7 @@ def to_low_rank_updates(spec: SketchSpec = SketchSpec(), *,
                         exact_merge: bool = True) -> optax.GradientTransformationExtraArgs:
     """Wraps each target's factor U (*stack, out, r) as ``LowRankUpdate(U, key of A_l(k), ws)``.
 
-    ``weight_scale`` ws = 1 − lr(t)·weight_decay (decoupled decay, GRPO variant) or 1.
+    ``weight_scale`` ws = 1 − lr(t)·weight_decay (decoupled decay, learning-rate variant) or 1.
     ``factor_dtype`` rounds U (the KL variant uses bfloat16, so a receiver applying the same bf16
     factor with the same A reproduces the trainer's merge exactly, §8). ``merge_rounding``: how a
     bf16 kernel receives the fp32 merge result ("nearest" | "stochastic", ``LowRankUpdate``).

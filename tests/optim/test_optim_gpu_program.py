@@ -104,7 +104,7 @@ needs_xla_gpu = pytest.mark.skipif(_NO_XLA_GPU, reason=_NO_XLA_GPU_REASON)
 
 
 @needs_xla_gpu
-@pytest.mark.parametrize("variant, exact", [("grpo", False), ("kl", True)])
+@pytest.mark.parametrize("variant, exact", [("learning_rate", False), ("kl", True)])
 def test_on_a_gpu_the_optimizer_launches_no_kernel_per_layer(variant, exact):
     """GRPO with the plain merge (clipping's reconstructed norm, the merge) and the KL variant
     with the order-free merge (also the update ratio's norm): 8 more layers, not 8 more kernels
@@ -140,7 +140,7 @@ def test_only_xla_gpu_gets_the_batched_form(compiler):
         devices, options = tpu.target("v5e-8").jax_devices(), None
     else:
         devices, options = jax.devices(), None
-    hlo = _optimizer_step(devices, 5, "grpo", False).compile(compiler_options=options).as_text()
+    hlo = _optimizer_step(devices, 5, "learning_rate", False).compile(compiler_options=options).as_text()
     assert _loops_over_the_stack(hlo, 5) == (0 if compiler == "XLA:GPU" else 6), compiler
 
 
