@@ -223,7 +223,7 @@ def logra(*, variant: str = "learning_rate",
         parts.append(scale_by_predicted_kl(kl_budget, kl_budget_final, kl_budget_horizon,
                                            alpha_max, mismatch_weight, kl_safeguard, kl_correction))
     parts.append(wrap)
-    tx = _scalars_on_params_mesh(skip_nonfinite(optax.chain(*parts)))
+    tx = _scalars_on_params_mesh(skip_nonfinite(optax.chain(*parts), gradient_by_norm=True))
     _SPECS[tx.update] = spec
     return tx
 

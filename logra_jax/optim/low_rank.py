@@ -47,8 +47,6 @@ def map_layers(fn, stack_shape: tuple[int, ...], *arrays, chunk: int = 1):
         return fn(*arrays)
     n = math.prod(stack_shape)
     flat = [a.reshape((n,) + a.shape[len(stack_shape):]) for a in arrays]
-    if chunk > 1:
-        flat = _together(flat)
     if chunk >= n:
         out = jax.vmap(fn)(*flat)
     else:
@@ -60,11 +58,11 @@ def map_layers(fn, stack_shape: tuple[int, ...], *arrays, chunk: int = 1):
 # XLA:GPU launches every operation of a loop body once per layer (a per-layer loop over 7 targets ×
 # 28 layers made Qwen2.5-1.5B's optimizer 3,910 kernel launches), as many layers per step as keep
 # the step's largest temporary (its fp32 U·A, or the layers' A) within `GPU_STEP_BYTES` per device.
-# What a step may hold is what is free at the merges, below the update's peak (the backward pass):
-# for Qwen2.5-1.5B on one H200 all 28 layers of an MLP projection (1.4 GiB) fit once the dense
-# updates are applied first (`_dense_first`), and raised the peak by 1.1 GiB beside them (XLA:GPU's
-# plans). Elsewhere one layer per step: XLA:CPU and the TPU compiler run a loop's iterations
-# without a launch each.
+# What a step may hold is what is free at the merges, below the update's peak (the backward pass),
+# once the dense updates are applied first (`_dense_first`): for Qwen2.5-1.5B on one H200, all 28
+# layers of each target in one step, XLA:GPU plans 2.0 GiB fewer temporaries than with the merges
+# beside the dense updates' temporaries. Elsewhere one layer per step: XLA:CPU and the TPU compiler
+# run a loop's iterations without a launch each.
 _BATCHED_PLATFORMS = ("cuda", "rocm")
 GPU_STEP_BYTES = 2 * 2 ** 30
 
@@ -79,13 +77,6 @@ def layers_per_step(n: int, layer_bytes: float, platform: str) -> int:
     return math.ceil(n / steps)
 
 
-def _together(arrays):
-    """``arrays``, none available before all are: what a batched step computes from its keys alone
-    (the layers' A, from the start of the update on) is then computed when its data arrive, not
-    hoisted by the scheduler to hold every layer's A through the backward pass."""
-    return jax.lax.optimization_barrier(arrays)
-
-
 def by_platform(fn, stack_shape: tuple[int, ...], layer_bytes: int, *args):
     """``fn(*args, chunk=c)``, c = `layers_per_step` of the platform the program is lowered for
     (``jax.lax.platform_dependent``: a deviceless GPU compile on a CPU host gets the GPU's form,
@@ -93,9 +84,8 @@ def by_platform(fn, stack_shape: tuple[int, ...], layer_bytes: int, *args):
     temporary, the whole array's; a device holds its share of the mesh traced under (FSDP and
     tensor parallelism split every target), all of it outside one."""
     n = math.prod(stack_shape)
-    mesh = jax.sharding.get_abstract_mesh()
-    per_device = layer_bytes / (1 if mesh.empty else mesh.size)
-    chunks = {p: layers_per_step(n, per_device, p) for p in ("cpu", "tpu", *_BATCHED_PLATFORMS)}
+    chunks = {p: layers_per_step(n, _per_device(layer_bytes), p)
+              for p in ("cpu", "tpu", *_BATCHED_PLATFORMS)}
     default = chunks.pop("cpu")
     others = {p: c for p, c in chunks.items() if c != default}
     if not others:
@@ -103,6 +93,13 @@ def by_platform(fn, stack_shape: tuple[int, ...], layer_bytes: int, *args):
     return jax.lax.platform_dependent(
         *args, default=lambda *a: fn(*a, chunk=default),
         **{p: (lambda c: lambda *a: fn(*a, chunk=c))(c) for p, c in others.items()})
+
+
+def _per_device(nbytes: float) -> float:
+    """A device's share of ``nbytes`` of a target-shaped array: FSDP and tensor parallelism split
+    every target over the mesh traced under; outside one a device holds it all."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return nbytes / (1 if mesh.empty else mesh.size)
 
 
 def sketch_dense(kernel_grad: jax.Array, keys: jax.Array, rank: int, distribution: str,
@@ -131,6 +128,49 @@ def reconstructed_sq_norm(factor: jax.Array, keys: jax.Array, in_dim: int, distr
         return jnp.sum(jnp.matmul(s, gram, precision=_HIGHEST) * s)
     return by_platform(lambda f, k, chunk: jnp.sum(map_layers(one, stack_shape, f, k, chunk=chunk)),
                        stack_shape, 4 * rank * in_dim, factor, keys)
+
+
+def reconstructed_sq_norm_sum(parts, distribution: str) -> jax.Array:
+    """Σ over targets of `reconstructed_sq_norm`; ``parts``: (S, keys, in_dim, stack_shape) of each.
+
+    On a GPU the targets whose A has one shape (r × in: q, k, v, o, gate and up of a decoder) share
+    one batched program for their Gram matrices G = A·Aᵀ, and the sum is read at once over all of
+    them as Σ G ∘ (SᵀS) (= Σ trace(S G Sᵀ), G and SᵀS symmetric): a few kernels in all instead of
+    a Gram program and reductions per target. Elsewhere each target's own `reconstructed_sq_norm`.
+    Plain fp32 dots either way; the two may round the sum differently.
+    """
+    parts = list(parts)
+    if not parts:
+        return jnp.zeros([], jnp.float32)
+    flat = [x for s, keys, _, _ in parts for x in (s, keys)]
+
+    def separately(*flat):
+        return sum((reconstructed_sq_norm(s, keys, in_dim, distribution, stack)
+                    for s, keys, (_, _, in_dim, stack) in zip(flat[::2], flat[1::2], parts)),
+                   jnp.zeros([], jnp.float32))
+
+    def grouped(*flat):
+        groups = {}
+        for s, keys, (_, _, in_dim, stack) in zip(flat[::2], flat[1::2], parts):
+            n = math.prod(stack)
+            groups.setdefault((in_dim, s.shape[-1]), []).append(
+                (s.reshape((n,) + s.shape[-2:]).astype(jnp.float32),
+                 keys.reshape((n,) + keys.shape[len(stack):])))
+        total = jnp.zeros([], jnp.float32)
+        for (in_dim, rank), members in groups.items():
+            keys = jnp.concatenate([k for _, k in members])
+
+            def gram(key):
+                a = projection(key, rank, in_dim, distribution)
+                return jnp.matmul(a, a.T, precision=_HIGHEST)                    # (r, r)
+            chunk = layers_per_step(keys.shape[0], _per_device(4 * rank * in_dim), "cuda")
+            grams = map_layers(gram, (keys.shape[0],), keys, chunk=chunk)
+            s_t_s = jnp.concatenate([jnp.einsum("lor,los->lrs", s, s, precision=_HIGHEST)
+                                     for s, _ in members])
+            total += jnp.sum(grams * s_t_s)
+        return total
+    return jax.lax.platform_dependent(*flat, default=separately,
+                                      **{p: grouped for p in _BATCHED_PLATFORMS})
 
 
 @jax.tree_util.register_dataclass
@@ -209,14 +249,11 @@ class LowRankUpdate:
         factors = self.factor.reshape((n,) + self.factor.shape[-2:])
         keys = self.key.reshape((n,) + self.key.shape[len(self.stack_shape):])
 
-        def delta_one(factor, key):
-            with jax.named_scope("logra_merge"):  # named for profiles (logra_jax/perf/profiling.py)
-                return _delta_one(factor, key, kernels.shape[-2], self.distribution, self.exact)
-
-        def apply(old, delta, key):
-            return _apply_delta(old, delta, key, self.weight_scale, self.rounding)
+        def merge_one(old, factor, key):
+            return _merge_one(old, factor, key, self.weight_scale, self.distribution,
+                              self.rounding, self.exact)
         kernels, changed = by_platform(
-            lambda k, f, keys_, chunk: _merge_stack(delta_one, apply, k, f, keys_, chunk),
+            lambda k, f, keys_, chunk: _merge_stack(merge_one, k, f, keys_, chunk),
             self.stack_shape, _delta_bytes(kernel.shape[-2:], self.exact), kernels, factors, keys)
         return kernels.reshape(kernel.shape), changed
 
@@ -233,51 +270,41 @@ class LowRankUpdate:
     __add__ = __radd__
 
 
-def _merge_stack(delta_one, apply, kernels, factors, keys, chunk: int):
-    """(kernels with every layer i ← apply(kernels[i], delta_one(factors[i], keys[i]), keys[i]),
-    the mean over layers of the fraction of entries that changed), ``chunk`` layers per step.
+def _merge_stack(merge_one, kernels, factors, keys, chunk: int):
+    """(kernels with every layer i ← merge_one(kernels[i], factors[i], keys[i]), the mean over
+    layers of the fraction of entries that changed), ``chunk`` layers per step (`map_layers`).
 
-    Written in place. Where a step takes part of the stack (one layer on a CPU or TPU), a loop
-    rewrites the step's layers of the stack's buffer (fori_loop + dynamic_update_slice; a scan
-    emitting a new stack would hold a second copy of all target weights), after counting the
-    changes in a pass of its own over the old weights and U·A. Where one step takes the whole
-    stack, its new weights go over the old ones together with one byte per entry that says whether
-    it changed, counted afterwards: old weights and U·A are read once. (Counted in the kernel that
-    writes, the new weights would need a buffer of their own: XLA writes no output over an input
-    that a reduction in the same kernel reads.)
+    Written in place: a loop over steps reads and rewrites its layers of the stack's buffer
+    (fori_loop + dynamic_update_slice; a scan emitting a new stack would hold a second copy of all
+    target weights), and with one step for all layers each entry's new value is an elementwise
+    function of its old one, which XLA writes over the donated buffer.
     """
     n = kernels.shape[0]
-    zero = jnp.zeros((), jnp.float32)
+    if chunk >= n:
+        merged = jax.vmap(merge_one)(kernels, factors, keys)
+        return merged, jnp.sum(jax.vmap(_changed_fraction)(merged, kernels)) / n
     if chunk == 1:
         def body(i, carry):
             kernels, changed = carry
             old = jax.lax.dynamic_index_in_dim(kernels, i, keepdims=False)
-            new = apply(old, delta_one(factors[i], keys[i]), keys[i])
+            new = merge_one(old, factors[i], keys[i])
             return (jax.lax.dynamic_update_index_in_dim(kernels, new, i, 0),
                     changed + _changed_fraction(new, old) / n)
-        return jax.lax.fori_loop(0, n, body, (kernels, zero))
-
-    factors, keys = _together((factors, keys))
-    if chunk >= n:
-        new = jax.vmap(apply)(kernels, jax.vmap(delta_one)(factors, keys), keys)
-        new, flags = _together((new, (new != kernels).astype(jnp.int8)))
-        counts = jnp.sum(flags, axis=tuple(range(1, flags.ndim)), dtype=jnp.int32)
-        return new, jnp.sum(counts.astype(jnp.float32) / math.prod(flags.shape[1:])) / n
+        return jax.lax.fori_loop(0, n, body, (kernels, jnp.zeros((), jnp.float32)))
 
     def merge_layers(kernels, changed, start, size):
-        old, step_keys = (jax.lax.dynamic_slice_in_dim(x, start, size) for x in (kernels, keys))
-        delta = jax.vmap(delta_one)(jax.lax.dynamic_slice_in_dim(factors, start, size), step_keys)
-        fractions = jax.vmap(lambda o, d, k: _changed_fraction(apply(o, d, k), o))(old, delta, step_keys)
-        old, delta, fractions = _together((old, delta, fractions))
-        new = jax.vmap(apply)(old, delta, step_keys)
+        old = jax.lax.dynamic_slice_in_dim(kernels, start, size)
+        new = jax.vmap(merge_one)(old, jax.lax.dynamic_slice_in_dim(factors, start, size),
+                                  jax.lax.dynamic_slice_in_dim(keys, start, size))
         return (jax.lax.dynamic_update_slice_in_dim(kernels, new, start, 0),
-                changed + jnp.sum(fractions) / n)
+                changed + jnp.sum(jax.vmap(_changed_fraction)(new, old)) / n)
 
     steps, tail = divmod(n, chunk)
-    carry = jax.lax.fori_loop(0, steps, lambda i, c: merge_layers(*c, i * chunk, chunk), (kernels, zero))
+    kernels, changed = jax.lax.fori_loop(
+        0, steps, lambda i, c: merge_layers(*c, i * chunk, chunk), (kernels, jnp.zeros((), jnp.float32)))
     if tail:
-        carry = merge_layers(*carry, steps * chunk, tail)
-    return carry
+        kernels, changed = merge_layers(kernels, changed, steps * chunk, tail)
+    return kernels, changed
 
 
 def _delta_bytes(shape: tuple[int, int], exact: bool) -> int:
@@ -326,12 +353,6 @@ def _merge_one(kernel, u, key, weight_scale, distribution, rounding="nearest", e
     bf16 K the fp32 sum is rounded by ``rounding``, stochastically with a key derived from A's."""
     with jax.named_scope("logra_merge"):  # named for profiles (logra_jax/perf/profiling.py)
         delta = _delta_one(u, key, kernel.shape[0], distribution, exact)
-        return _apply_delta(kernel, delta, key, weight_scale, rounding)
-
-
-def _apply_delta(kernel, delta, key, weight_scale, rounding="nearest"):
-    """`_merge_one` given ΔK (in, out, fp32): the elementwise part."""
-    with jax.named_scope("logra_merge"):
         merged = rounded(weight_scale * kernel.astype(jnp.float32)) + delta
         return round_to(merged, kernel.dtype, rounding,
                         jax.random.fold_in(key, _ROUNDING_SALT) if rounding == "stochastic" else None)

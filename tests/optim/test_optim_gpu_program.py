@@ -6,8 +6,8 @@ target made Qwen2.5-1.5B's optimizer ~3,900 kernels (docs/results/step_time.md).
 update and merge, compiled deviceless for an H100 on a stack of 2 and of 10 layers, must launch the
 same number of kernels, up to XLA's fusion choices for other shapes (fewer than one more per added
 layer; a loop over layers adds dozens): nothing in it may run once per layer. The count reads the
-optimized HLO as XLA:GPU runs it (a fusion, copy or library call is one launch; a while loop's body
-runs its known trip count of times). And the batched form is the same arithmetic: every step size
+program as XLA:GPU runs it (perf/gpu_cost.py: each thunk one launch, a loop's body once per
+trip). And the batched form is the same arithmetic: every step size
 merges the same bits.
 """
 
@@ -23,46 +23,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from logra_jax.optim import (LowRankUpdate, apply_updates_counting_changes, logra, low_rank,
                              predicted_kl, projection_keys)
 from logra_jax.optim.targets import SketchSpec
-from logra_jax.perf import gpu, targets, tpu
+from logra_jax.perf import gpu_cost, machines
 from logra_jax.tree_paths import map_with_paths
-
-# What XLA:GPU launches nothing for (the rest of the instructions of a computation each launch once).
-_NO_LAUNCH = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "after-all",
-              "add-dependency", "opt-barrier", "partition-id", "replica-id"}
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?[\w.\-]+ = .*? ([\w\-]+)\(")
-
-
-def launches(hlo: str) -> int:
-    """Kernels (and memcpys, library calls) an optimized XLA:GPU module launches when it runs once:
-    each instruction of the entry computation, loop bodies counted per trip, calls and conditional
-    branches followed."""
-    computations, entry, current = {}, None, None
-    for line in hlo.splitlines():
-        header = re.match(r"^(ENTRY )?%?([\w.\-]+) .*\{\s*$", line)
-        if header:
-            current = computations.setdefault(header.group(2), [])
-            entry = header.group(2) if header.group(1) else entry
-        elif line.startswith("}"):
-            current = None
-        elif current is not None and _INSTRUCTION.match(line):
-            current.append((_INSTRUCTION.match(line).group(1), line))
-
-    def count(name):
-        total = 0
-        for opcode, line in computations[name]:
-            if opcode == "while":
-                trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
-                assert trips, f"a loop without a known trip count: {line[:200]}"
-                total += int(trips.group(1)) * count(re.search(r"body=%?([\w.\-]+)", line).group(1))
-            elif opcode in ("call", "conditional"):
-                called = re.findall(r"(?:to_apply|branch_computations|true_computation|"
-                                    r"false_computation)=\{?%?([\w.\-, %]+)\}?", line)
-                total += max(count(c.strip().lstrip("%")) for group in called for c in group.split(","))
-            elif opcode not in _NO_LAUNCH and not opcode.endswith("-done"):
-                total += 1
-        return total
-    return count(entry)
-
 
 def _params(layers: int):
     f32 = jnp.float32
@@ -98,7 +60,7 @@ def _optimizer_step(devices, layers: int, variant: str, exact: bool):
 
 
 # CI installs the gpu-plan extra: there a missing plugin fails these tests instead of skipping them.
-_NO_XLA_GPU = gpu.plugin_version() is None and os.environ.get("CI") != "true"
+_NO_XLA_GPU = machines.plugin_version() is None and os.environ.get("CI") != "true"
 _NO_XLA_GPU_REASON = "the CUDA plugin (the 'gpu-plan' extra) is not installed: no XLA:GPU"
 needs_xla_gpu = pytest.mark.skipif(_NO_XLA_GPU, reason=_NO_XLA_GPU_REASON)
 
@@ -109,12 +71,12 @@ def test_on_a_gpu_the_optimizer_launches_no_kernel_per_layer(variant, exact):
     """GRPO with the plain merge (clipping's reconstructed norm, the merge) and the KL variant
     with the order-free merge (also the update ratio's norm): 8 more layers, not 8 more kernels
     (a loop over layers adds some 50 to 100 a layer here)."""
-    devices = targets.target("h100-8").jax_devices()
+    h100 = machines.machine("h100-8")
     counts = {}
     for layers in (2, 10):
-        hlo = _optimizer_step(devices, layers, variant, exact).compile(
-            compiler_options=gpu.COMPILER_OPTIONS).as_text()
-        counts[layers] = launches(hlo)
+        compiled = _optimizer_step(h100.jax_devices(), layers, variant, exact).compile(
+            compiler_options=h100.compiler_options())
+        counts[layers] = gpu_cost.of_compiled(compiled).kernels
     print(f"\n{variant}, exact={exact}: kernels launched by 2 / 10 layers: {counts}")
     assert abs(counts[10] - counts[2]) < 8, counts
 
@@ -133,11 +95,12 @@ def test_only_xla_gpu_gets_the_batched_form(compiler):
     if compiler == "XLA:GPU":
         if _NO_XLA_GPU:
             pytest.skip(_NO_XLA_GPU_REASON)
-        devices, options = targets.target("h100-8").jax_devices(), gpu.COMPILER_OPTIONS
+        h100 = machines.machine("h100-8")
+        devices, options = h100.jax_devices(), h100.compiler_options()
     elif compiler == "TPU":
-        if tpu.libtpu_version() is None:
+        if machines.libtpu_version() is None:
             pytest.skip("libtpu (the 'tpu' extra) is not installed: no TPU compiler")
-        devices, options = tpu.target("v5e-8").jax_devices(), None
+        devices, options = machines.machine("v5e-8").jax_devices(), None
     else:
         devices, options = jax.devices(), None
     hlo = _optimizer_step(devices, 5, "learning_rate", False).compile(compiler_options=options).as_text()
@@ -165,3 +128,26 @@ def test_every_step_size_merges_the_same_bits(monkeypatch, param_dtype):
         np.testing.assert_array_equal(np.asarray(merged[chunk][0]), np.asarray(merged[1][0]))
         assert float(merged[chunk][1]) == pytest.approx(float(merged[1][1]), rel=1e-6)
         assert float(norms[chunk]) == pytest.approx(float(norms[1]), rel=1e-6)
+
+
+def test_the_gpu_form_of_the_norm_is_the_sum_of_each_targets(monkeypatch):
+    """XLA:GPU's reconstructed norm (the Gram matrices of all targets with one A shape in one
+    batched program, Σ G ∘ SᵀS over all of them) is, to fp32 rounding, the sum of each target's
+    own Σ trace(S G Sᵀ): three targets, two sharing A's shape, one unstacked. The GPU form runs
+    here on XLA:CPU, named a batched platform."""
+    shapes = [("layers/q_proj/kernel", (4,), 24, 40), ("layers/up_proj/kernel", (4,), 56, 40),
+              ("o_proj/kernel", (), 40, 24)]
+    sketches = [jax.random.normal(jax.random.PRNGKey(i), stack + (out, 8))
+                for i, (_, stack, out, _) in enumerate(shapes)]
+    keys = [projection_keys(3, path, 2, stack) for path, stack, _, _ in shapes]
+
+    def norm(sketches, keys):
+        return low_rank.reconstructed_sq_norm_sum(
+            [(s, k, in_dim, stack) for s, k, (_, stack, _, in_dim) in zip(sketches, keys, shapes)],
+            "rademacher")
+    separately = float(jax.jit(lambda s, k: norm(s, k))(sketches, keys))
+    assert separately == pytest.approx(sum(
+        float(low_rank.reconstructed_sq_norm(s, k, in_dim, "rademacher", stack))
+        for s, k, (_, stack, _, in_dim) in zip(sketches, keys, shapes)), rel=1e-6)
+    monkeypatch.setattr(low_rank, "_BATCHED_PLATFORMS", ("cpu",))
+    assert float(jax.jit(lambda s, k: norm(s, k))(sketches, keys)) == pytest.approx(separately, rel=1e-5)

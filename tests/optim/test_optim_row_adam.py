@@ -198,3 +198,18 @@ def test_logra_nonfinite_gradient_changes_no_weight(guarded, bad_leaf):
     for a, b in zip(jax.tree.leaves(kept_inner), jax.tree.leaves(skipped_inner)):
         if a.dtype != jnp.int32:
             np.testing.assert_array_equal(a, b)
+
+
+def test_logra_skips_a_nonfinite_gradient_whose_update_would_be_finite():
+    """A frozen non-target's gradient reaches no weight, and without clipping nothing carries it
+    into an update, yet a non-finite one still drops the whole update: logra reads the gradient's
+    finiteness off its reconstructed norm (skip_nonfinite(gradient_by_norm=True)), which sums the
+    square of every gradient entry."""
+    tx = logra(variant="learning_rate", rank=4, seed=3, learning_rate=1e-2, others="frozen",
+               max_grad_norm=float("inf"))
+    state = tx.init(PARAMS)
+    updates, state = jax.jit(tx.update)(
+        _grads(_random_sketches(1), norm_grad=jnp.ones((2, 5)).at[1, 3].set(jnp.nan)), state, PARAMS)
+    assert bool(logra_metrics(state)["logra/skipped"])
+    for a, b in zip(jax.tree.leaves(PARAMS), jax.tree.leaves(apply_updates(PARAMS, updates))):
+        np.testing.assert_array_equal(a, b)
