@@ -384,3 +384,32 @@ def test_bad_input_is_one_error_line(args, cause):
     assert result.returncode != 0
     assert result.stderr.strip().splitlines()[-1].startswith("error: ")
     assert cause in result.stderr.strip().splitlines()[-1], result.stderr[-500:]
+
+
+def test_a_default_decode_step_writes_its_cache_slot_in_place_and_sorts_nothing():
+    """The tiny config's decode step as XLA:GPU compiles it for one H200 in the mode a GPU plan
+    compiles by default, with top-p: no launch of the token loop writes as much as one layer's K
+    or V cache (the cache is updated in place: a layer scan that stacked every layer's cache as
+    its output rewrote it whole every token), and no sort runs (top-p chooses among the top-k
+    candidates instead of sorting the vocabulary)."""
+    from configs import tiny
+    from logra_jax import model_shapes
+    from logra_jax.perf import gpu_programs, memory
+    from logra_jax.rl.build import build_mesh
+    config = tiny.get_config()
+    config.rl.top_p, config.rl.rollout_micro_batch = 0.9, 0
+    # A cache of 4 rows × 4,096 slots: each layer's K outweighs the step's logits (4 × 49,152 f32).
+    config.rl.max_completion_length = 4096 - config.rl.max_prompt_length
+    config.model.tiny.max_position_embeddings = 4096
+    mesh = build_mesh({"fsdp": 1, "tensor": 1}, machines.machine("h200-8").jax_devices()[:1])
+    rows = 4
+    mode = gpu_programs.default_decode_mode(config, mesh, rows)
+    generate = memory.lower_generate(config, mesh, rows=rows, decode_weights=mode)
+    text = generate.lowered.compile(compiler_options=machines.compiler_options_for(mesh)).as_text()
+    model = model_shapes.model_config_from(config.model)
+    step = gpu_cost.decode_step(text, vocab_size=model.vocab_size, hidden_size=model.hidden_size)
+    slots = config.rl.max_prompt_length + config.rl.max_completion_length
+    layer_k = memory.kv_cache_bytes(model, rows, slots, mesh) / (2 * model.num_layers)
+    written = max(launch.written for launch, _ in step.trip.launches.values())
+    assert written < layer_k, (mode, step.trip.largest(3))
+    assert not any("sort" in kind for kind in step.kernels_by_kind()), step.kernels_by_kind()
