@@ -112,6 +112,11 @@ class Embedding(nnx.Module):
         return x if self.multiplier is None else x * jnp.asarray(self.multiplier, self.dtype)
 
 
+# A GPU decode step's attention runs as two matrix products once the layer's K and V cache
+# (all rows) exceeds this many bytes, as broadcast multiplies and sums below (`grouped_query_attention`).
+GPU_DECODE_PRODUCTS_BYTES = 8 * 2**20
+
+
 def grouped_query_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
                             scale: float | None = None) -> jax.Array:
     """softmax(q·kᵀ·scale + mask)·v where query head h reads key/value head h // (H / KV).
@@ -134,7 +139,7 @@ def grouped_query_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.
     q = q.reshape(b, t, num_kv, num_heads // num_kv, head_dim).transpose(0, 2, 3, 1, 4)
 
     def products(q, k, v, mask, multiply_sum):
-        if multiply_sum:   # a decode step on XLA:CPU (see above)
+        if multiply_sum:   # a decode step on XLA:CPU (see above), a TPU, a small one on a GPU
             scores = jnp.sum(q[..., None].astype(jnp.float32) * k[:, :, None, None], axis=-2)
         else:
             scores = jnp.einsum("bkgtd,bkds->bkgts", q, k, preferred_element_type=jnp.float32)
@@ -147,10 +152,15 @@ def grouped_query_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.
         return jnp.einsum("bkgts,bksd->bkgtd", weights, v)
 
     if t == 1:
-        # XLA:GPU ran the multiply-sum form as an f32 copy of each layer's V, transposed, before
-        # the sum: twice the cache's bytes per decode step (the products read it once).
-        out = jax.lax.platform_dependent(q, k, v, mask, cpu=functools.partial(products, multiply_sum=True),
-                                         default=functools.partial(products, multiply_sum=False))
+        # XLA:GPU runs the multiply-sum form as two reductions that read the layer's cache about
+        # 3.1 times (an f32 copy of V, transposed, among them), the products as two Triton GEMMs
+        # and a sum of their split parts that read it 1.2-1.3 times: two kernels more per layer
+        # for 1.8 cache reads less, worth it once those reads outlast two launches (1.86 µs
+        # each, perf/gpu_cost.py; 3.7 µs is 18 MB at an H200's 4.8 TB/s).
+        reads_win = k.size * k.dtype.itemsize + v.size * v.dtype.itemsize > GPU_DECODE_PRODUCTS_BYTES
+        on_gpu = functools.partial(products, multiply_sum=not reads_win)
+        out = jax.lax.platform_dependent(q, k, v, mask, cuda=on_gpu, rocm=on_gpu,
+                                         default=functools.partial(products, multiply_sum=True))
     else:
         out = products(q, k, v, mask, multiply_sum=False)
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, num_heads, head_dim)
