@@ -217,7 +217,7 @@ def in_place_claims(program: gpu_cost.Program, slices) -> list[bool]:
 @pytest.mark.parametrize("top_p, gpus", [(1.0, 1), (0.9, 1), (1.0, 8)])
 def test_kernels_match_xlas_thunk_sequence_for_the_tiny_sampler(top_p, gpus, tmp_path):
     """The sampler's generate for the tiny config (prefill, the token loop, the layer scans; with
-    top_p < 1 a full-vocabulary sort per token; over 8 GPUs, FSDP's collectives, some async):
+    top_p < 1 a top-k candidate set per token; over 8 GPUs, FSDP's collectives, some async):
     every launch XLA:GPU emitted, one by one."""
     from configs import tiny
     from logra_jax.perf import memory
@@ -238,10 +238,11 @@ def test_kernels_match_xlas_thunk_sequence_for_the_tiny_sampler(top_p, gpus, tmp
     (assignment,) = tmp_path.glob("*generate*after_optimizations-buffer-assignment.txt")
     claims = in_place_claims(program, buffer_slices(assignment.read_text()))
     assert len(claims) >= 4 and all(claims)
-    # Per token, the nucleus filter sorts the vocabulary (the prompt's argsort runs once, before).
+    # No token sorts the vocabulary, top-p or not: the nucleus is taken among the top-k
+    # candidates (the prompt's argsort runs once, before the token loop).
     step = gpu_cost.decode_step(program, vocab_size=49152, hidden_size=config.model.tiny.hidden_size,
                                 shards=gpus)
-    assert ("sort (bitonic)" in step.kernels_by_kind()) == (top_p < 1)
+    assert "sort (bitonic)" not in step.kernels_by_kind()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -249,9 +250,12 @@ def test_kernels_match_xlas_thunk_sequence_for_the_tiny_sampler(top_p, gpus, tmp
 # ----------------------------------------------------------------------------------------------
 def test_seconds_per_kernel_come_from_the_measured_programs_kernel_counts():
     """gpu_cost.CALIBRATION's kernel counts are this reader's count of the H200 run's program
-    (SmolLM2-135M's shape, 30 layers, batch 1; `launch.cost --calibrate` compiles it whole).
-    Here it is compiled at 3 and 4 layers and extended to 30 by the per-layer difference (from 3
-    layers on, XLA's count grows by the same amount per layer)."""
+    (SmolLM2-135M's shape, 30 layers, batch 1), the sampler of main at 2259830 that the run
+    executed, a token loop synced every token. Today's sampler compiles a different program for
+    that run (16-token chunks, the cache written in place); it must launch no more than that
+    one in either mode, or the calibration's per-kernel time would no longer bound it. It is
+    compiled at 3 and 4 layers and extended to 30 by the per-layer difference (from 3 layers
+    on, XLA's count grows by the same amount per layer)."""
     from configs import default
     from logra_jax.perf import gpu_programs
     from logra_jax.rl.build import build_mesh
@@ -265,7 +269,7 @@ def test_seconds_per_kernel_come_from_the_measured_programs_kernel_counts():
     for mode, kernels in gpu_cost.CALIBRATION["kernels_per_token"].items():
         three, four = (gpu_programs.decode_step(gpu_programs.with_layers(config, n), mesh, 1, mode)[0].kernels
                        for n in (3, 4))
-        assert three + 27 * (four - three) == kernels, mode
+        assert three + 27 * (four - three) <= kernels, mode
     tokens_per_s = gpu_cost.CALIBRATION["measured_tokens_per_s"]
     per_kernel = [1 / (tokens_per_s[m] * k) for m, k in gpu_cost.CALIBRATION["kernels_per_token"].items()]
     assert gpu_cost.SECONDS_PER_KERNEL == pytest.approx(sum(per_kernel) / 2)
