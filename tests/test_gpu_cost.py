@@ -417,3 +417,26 @@ def test_a_default_decode_step_writes_its_cache_slot_in_place_and_sorts_nothing(
     written = max(launch.written for launch, _ in step.trip.launches.values())
     assert written < layer_k, (mode, step.trip.largest(3))
     assert not any("sort" in kind for kind in step.kernels_by_kind()), step.kernels_by_kind()
+
+
+def test_peak_breakdown_of_generate_adds_up_to_xlas_memory_analysis(tmp_path):
+    """`hlo_dump.peak_breakdown` of the sampler's generate, as XLA:GPU compiles it for one H200:
+    its labels add up to the memory analysis (arguments + outputs − aliased + temporaries). Read
+    from XLA's list of the values live at its peak (the live-range file), it left out a loop's
+    carried values where another copy of them filled an allocation."""
+    from configs import tiny
+    from logra_jax.perf import hlo_dump, memory
+    from logra_jax.rl.build import build_mesh
+
+    config = tiny.get_config()
+    config.rl.rollout_micro_batch = 0
+    mesh = build_mesh({"fsdp": 1, "tensor": 1}, machines.machine("h200-8").jax_devices()[:1])
+    lowered = memory.lower_generate(config, mesh, rows=8, decode_weights="stacked").lowered
+    compiled = lowered.compile(compiler_options={
+        **machines.XLA_GPU_OPTIONS, "xla_dump_to": str(tmp_path), "xla_dump_hlo_as_text": True,
+        "xla_dump_hlo_module_re": ".*generate.*"})
+    total, entries = hlo_dump.peak_breakdown(tmp_path, module="generate")
+    m = compiled.memory_analysis()
+    assert total == (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+                     + m.temp_size_in_bytes)
+    assert total == sum(size for _, size in entries)
