@@ -21,7 +21,8 @@ rows' KV cache, each read once) and the predicted tokens/s
     batch ÷ max(bytes per token ÷ the GPU's bandwidth, kernels per token × seconds per kernel)
 
 with the seconds per kernel measured on one H200 (perf/gpu_cost.py's ``SECONDS_PER_KERNEL``, with
-its evidence; ``--calibrate`` recomputes it from the measured run's program). The mode a plan
+its evidence; ``--calibrate`` compiles today's decode at that run's shape beside the counts of
+the program that ran). The mode a plan
 compiles for the config's ``rl.decode_weights`` ("auto" measures only where it runs) is marked
 ``*`` (``default`` in the JSON); ``--modes default`` reads that one alone.
 
@@ -63,8 +64,8 @@ _PARTS = flags.DEFINE_list("parts", ["decode", "update", "generate"],
                            "What to compile and read: decode, update, generate.")
 _JSON = flags.DEFINE_string("json", None, "Also write every figure to this JSON file.")
 _CALIBRATE = flags.DEFINE_bool(
-    "calibrate", False, "Also compile the H200 run the seconds per kernel come from (SmolLM2-135M's "
-    "shape, batch 1, both modes) and print the seconds per kernel its kernel counts give.")
+    "calibrate", False, "Also compile today's decode at the shape of the H200 run the seconds per "
+    "kernel come from (SmolLM2-135M's, batch 1, both modes) and print its kernels beside that run's.")
 
 PARTS = ("decode", "update", "generate")
 
@@ -116,9 +117,11 @@ def gpu_target(name):
 
 
 def calibration(mesh) -> dict:
-    """Kernels per token of the H200 run behind ``SECONDS_PER_KERNEL`` (`launch.sampler_bench`'s
-    SmolLM2-135M shape: the tiny source at that shape, bf16, 64 + 128 tokens, batch 1) and the
-    seconds per kernel they give with its measured tokens/s."""
+    """Kernels per token of today's decode at the shape of the H200 run behind
+    ``SECONDS_PER_KERNEL`` (`launch.sampler_bench`'s SmolLM2-135M shape: the tiny source at that
+    shape, bf16, 64 + 128 tokens, batch 1), and the seconds per kernel they would give with the
+    run's measured tokens/s. The constant itself comes from the program that ran
+    (``gpu_cost.CALIBRATION``), which launched more kernels per token than today's."""
     from configs import default
     from logra_jax.perf import gpu_cost, gpu_programs
     config = default.get_config()
@@ -181,10 +184,14 @@ def print_report(record) -> None:
               f"{record['decode_weights_plan']}): temporaries {gib(g['temp_bytes'])} GiB beside a KV "
               f"cache of {gib(g['kv_cache_bytes'])} GiB per GPU (XLA's memory analysis)")
     if "calibration" in record:
-        print("\nseconds per kernel, from the H200 run and this compiler's program of it:")
+        print("\nseconds per kernel: the H200 run's tokens/s over its program's kernels "
+              "(and over today's program at its shape):")
+        from logra_jax.perf.gpu_cost import CALIBRATION
+        ran = CALIBRATION["kernels_per_token"]
         for mode, c in record["calibration"].items():
-            print(f"  {mode}: {c['measured_tokens_per_s']} tokens/s measured, "
-                  f"{c['kernels_per_token']:g} kernels/token → {c['seconds_per_kernel'] * 1e6:.3f} µs")
+            print(f"  {mode}: {c['measured_tokens_per_s']} tokens/s measured, {ran[mode]} kernels/token "
+                  f"→ {1e6 / (c['measured_tokens_per_s'] * ran[mode]):.3f} µs "
+                  f"(today {c['kernels_per_token']:g} → {c['seconds_per_kernel'] * 1e6:.3f} µs)")
 
 
 def main(argv):

@@ -666,8 +666,8 @@ def decode_step(program: Program | str, *, vocab_size: int, hidden_size: int,
 # measurement there is: on one H200 (docs/results/gpu.md, jax 0.11.2 with its CUDA 13 plugin),
 # `launch.sampler_bench` decoded SmolLM2-135M's shape (random bf16 weights, 64 + 128 tokens,
 # batch 1) at 713.4 tokens/s stacked and 1,335.2 per_layer. XLA:GPU's program of that run,
-# compiled deviceless here and read by this module (`launch.cost --calibrate`, jax 0.10.2), launches
-# 725 and 417 kernels per token, while its bytes per token (0.73 and 0.28 GB) take 153 and 58 µs
+# compiled deviceless here from the code that ran (the sampler before its token loop was chunked,
+# jax 0.10.2) and read by this module, launches 725 and 417 kernels per token, while its bytes per token (0.73 and 0.28 GB) take 153 and 58 µs
 # at the H200's 4.8 TB/s: the steps were launch-bound, at 1/(713.4 × 725) = 1.93 µs and
 # 1/(1335.2 × 417) = 1.80 µs per kernel. Their mean is the constant. It holds everything a step
 # spends per kernel on that machine: the launch, the kernel's own minimum time, the loop's host
