@@ -41,7 +41,9 @@ import subprocess
 import sys
 import time
 
-from absl import app, flags
+from absl import flags
+
+from launch import cli
 
 _OUT = flags.DEFINE_string("out", os.environ.get("GPU_CHECK_OUT") or "runs/gpu_check",
                            "Folder for gpu_check.json, gpu_check.md and the parts' logs "
@@ -103,8 +105,8 @@ SMALL = Size(
 
 VERSIONS_SCRIPT = r"""
 import importlib.metadata as md, json, os, platform, sys
-from launch import simulate_host_devices
-simulate_host_devices(1)
+from launch import process
+process.setup(1)
 import jax
 def version(name):
     try:
@@ -467,6 +469,8 @@ def plan_target_for(device_kind: str) -> str:
 
 def main(argv):
     del argv
+    from launch import process
+    process.setup(None)   # no jax here; the parts are processes that set up their own devices
     selected = PARTS if _PARTS.value is None else tuple(_PARTS.value)
     unknown = sorted(set(selected) - set(PARTS))
     if unknown:
@@ -509,4 +513,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

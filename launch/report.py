@@ -28,16 +28,15 @@ import matplotlib
 matplotlib.use("Agg")  # files only; no display
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
 
-from logra_jax import config as config_lib  # noqa: E402
+from launch import cli  # noqa: E402
 from logra_jax.metrics import read_jsonl  # noqa: E402
 
 _OUT = flags.DEFINE_string("out", None, "Folder for the PNGs.")
 _RUNS = flags.DEFINE_multi_string("run", [], "label=workdir of a training run (metrics.jsonl).")
 _MEMORY = flags.DEFINE_multi_string("memory", [], "label=file written by launch.memory --json.")
 _WINDOW = flags.DEFINE_integer("window", 4, "Steps in the running mean of the reward.")
-flags.mark_flag_as_required("out")
 
 GIB = 2.0 ** 30
 
@@ -193,11 +192,13 @@ def plot_memory(reports: dict[str, dict], path: pathlib.Path) -> None:
 
 def main(argv) -> None:
     del argv
+    from launch import process
+    process.setup(None)   # plots from files: no jax
     out = pathlib.Path(_OUT.value)
     try:
-        run_dirs = config_lib.parse_labelled(_RUNS.value, "run")
+        run_dirs = cli.parse_labelled(_RUNS.value, "run")
         runs = {label: load_run(path) for label, path in run_dirs.items()}
-        memory_files = config_lib.parse_labelled(_MEMORY.value, "memory")
+        memory_files = cli.parse_labelled(_MEMORY.value, "memory")
         missing = [str(p) for p in memory_files.values() if not p.is_file()]
         if missing:
             raise FileNotFoundError(f"memory report(s) not found: {', '.join(missing)}")
@@ -223,4 +224,4 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main, required=("out",))

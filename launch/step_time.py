@@ -70,28 +70,21 @@ plan is judged against that budget) the update is not run and the line before th
 RESOURCE_EXHAUSTED from XLA itself, with the figure its message or log states.
 """
 
+import contextlib
+import dataclasses
+import json
+import statistics
 import sys
+import time
 
-# The timing compares the two optimizers on one device (the simulated 8-device CPU of the tests
-# would only split the same cores 8 ways).
-from launch import cpu_model, paired_ratio, simulate_host_devices  # noqa: E402
+from absl import flags
 
-simulate_host_devices(1)
+from launch import cli
+from launch.bench_stats import cpu_model, paired_ratio
+from launch.process import captured_stderr
 
-import contextlib  # noqa: E402
-import dataclasses  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import statistics  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-
-from absl import app, flags  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
-
-_CONFIG = config_flags.DEFINE_config_file("config", None, "configs/*.py for --peak_memory or "
-                                          "--count_ops.",
-                                          lock_config=False)
+_CONFIG = cli.define_config(help_string="configs/*.py for --peak_memory or --count_ops.",
+                            lock_config=False)
 _PEAK = flags.DEFINE_bool("peak_memory", False, "Measure one update's peak device memory.")
 _COUNT = flags.DEFINE_bool("count_ops", False, "Print the matmul operations of --config's update, "
                            "LoGRA vs AdamW, from shapes alone.")
@@ -327,23 +320,17 @@ def device_limit(device, budget_gib: float | None) -> tuple[int | None, str]:
 
 @contextlib.contextmanager
 def _stderr_copied(into: list):
-    """Runs the block with file descriptor 2 (where XLA's C++ logs go) sent to a temporary file,
-    then writes that text to the real stderr and appends it to ``into``: XLA states what a program
-    needs ("only reduced to 167.29GiB") in a log line, not in the exception."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile(mode="w+b") as log:
-        os.dup2(log.fileno(), 2)
-        try:
+    """Runs the block with XLA's C++ log lines (file descriptor 2) captured, then writes them to
+    stderr and appends them to ``into``: XLA states what a program needs ("only reduced to
+    167.29GiB") in a log line, not in the exception."""
+    log = None
+    try:
+        with captured_stderr() as log:
             yield
-        finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-            log.seek(0)
-            text = log.read().decode("utf-8", "replace")
-            sys.stderr.write(text)
-            into.append(text)
+    finally:
+        if log is not None:
+            sys.stderr.write(log.text)
+            into.append(log.text)
 
 
 def _does_not_fit(result: dict, needs: int, why: str) -> dict:
@@ -439,6 +426,10 @@ def count_ops(config) -> dict:
 
 def main(argv):
     del argv
+    from launch import process
+    # The timing compares the two optimizers on one device (8 simulated CPU devices would only
+    # split the same cores 8 ways); LOGRA_HOST_DEVICES gives more.
+    process.setup(1)
     if _COUNT.value:
         if _CONFIG.value is None:
             sys.exit("error: --count_ops needs --config")
@@ -545,4 +536,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)
