@@ -132,10 +132,10 @@ class Checkpointer:
             try:
                 # Orbax logs the failure of a damaged folder itself; the warning or error below
                 # says the same, naming the checkpoint.
+                _drop_abandoned_reads()
                 with _quiet(logging.FATAL):
                     state, meta = self.restore(step, abstract_state)
             except Exception as e:  # orbax raises many kinds of error for a damaged folder
-                _drop_abandoned_reads()
                 failures.append((step, self._damage(step, e)))
                 continue
             for bad, reason in failures:
@@ -238,9 +238,10 @@ def _abandoned_read(unraisable) -> bool:
 
 
 def _drop_abandoned_reads() -> None:
-    """From a failed restore on, the process drops `_abandoned_read` reports: the failure itself is
-    said once, by the warning or the error that names the checkpoint. Every other report goes to
-    the hook that was in place."""
+    """From a restore on, the process drops `_abandoned_read` reports (one can come while the
+    restore is still failing, from orbax's reader thread): the failure itself is said once, by the
+    warning or the error that names the checkpoint. Every other report goes to the hook that was
+    in place."""
     previous = sys.unraisablehook
     if getattr(previous, "drops_abandoned_reads", False):
         return
@@ -266,10 +267,12 @@ _APPENDIX = re.compile(r"\s*\[(?:tensorstore_spec(?:\[\d+\])?|source locations)=
 
 
 def _shorten(text: str, most: int = 400) -> str:
-    """``text`` for one line: without tensorstore's appendices, then cut in the middle if still
-    longer than ``most``."""
+    """``text`` for one line: without tensorstore's appendices, then, if still longer than
+    ``most``, its start (the status) and its end kept: tensorstore nests "Error opening …: Error
+    reading …:" contexts, each naming a path, before the reason, which comes last."""
     text = " ".join(_APPENDIX.sub("", text).split())
-    return text if len(text) <= most else f"{text[:most // 2]} … {text[-most // 2:]}"
+    head = most // 4
+    return text if len(text) <= most else f"{text[:head]} … {text[-(most - head):]}"
 
 
 def failure_reason(error: BaseException) -> str:

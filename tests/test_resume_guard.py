@@ -7,17 +7,21 @@ checkpoint 2) and runs `launch.train`'s `run` on it in this process; a refusal c
 model is built, and a matching resume reuses the session's compiled Trainer.
 """
 
+import copy
 import hashlib
 import json
 import pathlib
 import shutil
 
+import jax
+import numpy as np
 import pytest
 
 from launch import train as train_cli
 from logra_jax import config as config_lib
 from logra_jax.rl import build
 from logra_jax.rl import trainer as trainer_lib
+from logra_jax.tree_paths import leaves_with_paths
 from tiny_config import tiny_config
 
 
@@ -121,3 +125,51 @@ def test_a_dropped_cut_metrics_line_is_reported(tmp_path, capsys):
         f"warning: {path}:2: dropped a last line cut short (a run stopped mid-write): "
         "'{\"step\": 2, \"rew'"]
     assert path.read_text() == '{"step": 1}\n'
+
+
+def _with_new_sampler(trainer):
+    """``trainer`` as a new process would hold it: a Sampler that has measured nothing (the
+    compiled update and the weights are shared)."""
+    fresh = copy.copy(trainer)
+    fresh.sampler = build.build_sampler(trainer.config.rl, trainer.policy, trainer.tokenizer)
+    return fresh
+
+
+def test_a_resume_runs_the_decode_program_its_first_process_picked(tmp_path, shipped_tiny_trainer,
+                                                                  monkeypatch):
+    """rl.decode_weights="auto" times both decode programs on a process's first rollout, and the
+    two round differently. The first process picked stacked; the resumed one, whose own timing
+    would pick per_layer (a loaded machine), runs stacked without timing, and the run ends with
+    the weights of an uninterrupted one."""
+    from logra_jax.rl import decode_mode
+    picks = []
+
+    def pick(answer):
+        def chosen(seconds):
+            picks.append(answer)
+            return answer
+        return chosen
+
+    first = _with_new_sampler(shipped_tiny_trainer)
+    monkeypatch.setattr(decode_mode, "pick", pick("stacked"))
+    straight = trainer_lib.Run(tiny_config(dict(max_steps=3)), tmp_path / "straight", trainer=first)
+    straight.loop()
+    straight.close()
+    stopped = trainer_lib.Run(tiny_config(dict(max_steps=2)), tmp_path / "resumed", trainer=first)
+    stopped.loop()
+    stopped.close()
+    assert picks == ["stacked"]   # one measurement in the first process
+    workdir = tmp_path / "resumed"
+    assert json.loads((workdir / "config.json").read_text())["rl"]["decode_weights"] == "stacked"
+    meta = json.loads((workdir / "checkpoints" / "2" / "meta" / "metadata").read_text())
+    assert meta["config"]["rl.decode_weights"] == "stacked"
+
+    monkeypatch.setattr(decode_mode, "pick", pick("per_layer"))
+    second = _with_new_sampler(shipped_tiny_trainer)
+    resumed = trainer_lib.Run(tiny_config(dict(max_steps=3)), workdir, trainer=second)
+    resumed.loop()
+    resumed.close()
+    assert picks == ["stacked"] and second.sampler.last_decode_mode == "stacked"
+    for (path, a), b in zip(leaves_with_paths(jax.device_get(straight.params)),
+                            jax.tree.leaves(jax.device_get(resumed.params)), strict=True):
+        np.testing.assert_array_equal(a, b, err_msg=path)
