@@ -69,14 +69,19 @@ def test_a_resume_with_another_optimizer_is_refused_before_the_model(copied, mon
 
 def test_config_json_is_rebuilt_from_a_matching_checkpoint(copied, shipped_tiny_trainer):
     """max_steps, log.* and the other keys a resume may change do not count; config.json comes
-    back as the resuming config."""
+    back as the resuming config, with the decode program the checkpoint records for
+    rl.decode_weights="auto"."""
     config = tiny_config(dict(max_steps=2, log=dict(sample_every=5)))
     run = trainer_lib.Run(config, copied, trainer=shipped_tiny_trainer)
     try:
         assert run.loop() == {}                   # step 2 already reached: restored, nothing trained
     finally:
         run.close()
-    assert json.loads((copied / "config.json").read_text()) == config_lib.as_json(config)
+    meta = json.loads((copied / "checkpoints" / "2" / "meta" / "metadata").read_text())
+    expected = config_lib.as_json(config)
+    expected["rl"]["decode_weights"] = meta["config"]["rl.decode_weights"]
+    assert expected["rl"]["decode_weights"] in ("stacked", "per_layer")
+    assert json.loads((copied / "config.json").read_text()) == expected
 
 
 def _strip_fingerprint(workdir: pathlib.Path) -> None:

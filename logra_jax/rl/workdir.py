@@ -70,8 +70,11 @@ def missing_root(workdir: str | os.PathLike) -> pathlib.Path | None:
     path = pathlib.Path(workdir)
     missing = None
     for folder in (path, *path.parents):
-        if folder.exists() or folder.is_symlink():
-            break
+        try:
+            if folder.exists() or folder.is_symlink():
+                break
+        except OSError:   # a name too long for the filesystem: `prepare` names it
+            return None
         missing = folder
     return missing
 
