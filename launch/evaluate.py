@@ -62,6 +62,7 @@ def main(argv):
     del argv
     from launch import process
     process.setup(8)   # the mesh of launch.train's runs (LOGRA_HOST_DEVICES: another count)
+    process.start_backend()
     from logra_jax import sharding as sharding_lib
     from logra_jax.export import restore_policy
     from logra_jax.rl import build

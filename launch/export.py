@@ -25,6 +25,7 @@ def main(argv):
     del argv
     from launch import process
     process.setup(1)
+    process.start_backend()
     from logra_jax.export import export_run  # imports jax: after the setup
     try:
         out, step = export_run(_WORKDIR.value, _OUT.value, step=_STEP.value, dtype=_DTYPE.value)

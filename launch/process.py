@@ -8,9 +8,10 @@ descriptor, so a library user or a test that imports them keeps its own process 
 - the device count: XLA:CPU simulates ``devices`` devices (``LOGRA_HOST_DEVICES`` overrides it, an
   ``XLA_FLAGS`` that already sets a count wins over both), so a CPU run takes the sharded code
   path a GPU node runs; accelerators ignore it;
-- the platform: where libtpu is installed (it compiles for TPU targets) but the machine has no TPU
-  and no GPU, ``JAX_PLATFORMS=cpu``, so JAX does not try a TPU backend first (a page of libtpu
-  warnings, and libtpu's lock file held for the whole run);
+- the platform: where libtpu or the CUDA plugin is installed (they compile for TPU and GPU
+  targets) but the machine has neither a TPU nor a GPU, ``JAX_PLATFORMS=cpu``, so JAX does not
+  try those backends first (a page of libtpu warnings and libtpu's lock file held for the whole
+  run; the CUDA plugin's "Unable to load CUDA" traceback);
 - XLA:CPU's thread pool (`size_cpu_thread_pool`);
 - the CUDA plugin's libraries loaded with their driver-less log lines held back (`load_cuda_plugin_quietly`);
 - log lines: the project's own as plain lines, other libraries' only from ERROR up
@@ -53,7 +54,7 @@ def setup(devices: int | None, *, verbose: bool = False) -> None:
     if "jax" in sys.modules:
         raise RuntimeError("launch.process.setup must run before jax is imported: the device "
                            "count, the platform and XLA:CPU's pool are read when jax starts")
-    if "JAX_PLATFORMS" not in os.environ and _libtpu_without_a_tpu() and not _has_gpu():
+    if "JAX_PLATFORMS" not in os.environ and _accelerator_plugin_without_its_device():
         os.environ["JAX_PLATFORMS"] = "cpu"
     if devices is not None:
         simulate_host_devices(devices)
@@ -98,16 +99,14 @@ def size_cpu_thread_pool(devices: int) -> None:
         os.environ["NPROC"] = str(threads)
 
 
-def _libtpu_without_a_tpu() -> bool:
-    """True where libtpu is installed (the tpu or test extra: it compiles for TPU targets) but this
-    machine has no TPU chip."""
-    if importlib.util.find_spec("libtpu") is None:
-        return False
-    return not (glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
-
-
-def _has_gpu() -> bool:
-    return bool(glob.glob("/dev/nvidia[0-9]*"))
+def _accelerator_plugin_without_its_device() -> bool:
+    """True where libtpu (the tpu or test extra) or the CUDA plugin (gpu-plan) is installed, to
+    compile for TPU or GPU targets, but this machine has no TPU chip and no GPU."""
+    plugins = [name for name in ("libtpu", "jax_cuda12_plugin")
+               if importlib.util.find_spec(name) is not None]
+    devices = (glob.glob("/dev/accel*") + glob.glob("/dev/vfio/[0-9]*")
+               + glob.glob("/dev/nvidia[0-9]*"))
+    return bool(plugins) and not devices
 
 
 class Captured:
@@ -229,6 +228,15 @@ def plain_log_lines(verbose: bool) -> None:
         return
     handler.python_handler.addFilter(_quiet_others)
     handler.setFormatter(_PlainLines(handler.python_handler.formatter))
+
+
+def start_backend(*, verbose: bool = False) -> None:
+    """`check_backend` for a command with nothing to join first: its failure is the command's one
+    ``error:`` line (exit status 1)."""
+    try:
+        check_backend(verbose=verbose)
+    except SetupError as e:
+        sys.exit(f"error: {e}")
 
 
 def check_backend(*, verbose: bool = False) -> None:

@@ -70,6 +70,7 @@ def run(config, workdir: str, *, fresh: bool = False, verbose: bool = False) -> 
         from logra_jax import distributed
         try:
             distributed.initialize(config.distributed)  # before any jax computation
+            stopping.reinstall()   # JAX's distributed runtime installs its own SIGTERM handler
             process.check_backend(verbose=verbose)
         except (ValueError, process.SetupError) as e:
             fail(e)

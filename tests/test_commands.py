@@ -61,10 +61,11 @@ def test_setup_gives_the_device_count_and_the_pool_and_must_come_before_jax():
 
 def test_a_successful_export_prints_only_its_own_line(trained_tiny_run, tmp_path):
     """No CUDA-plugin traceback, no libtpu errors: one line on stdout, nothing on stderr."""
+    env = without_device_count()
+    env.pop("JAX_PLATFORMS", None)   # the suite's; a user's shell has none
     done = subprocess.run([sys.executable, "-m", "launch.export", "--workdir",
                            str(trained_tiny_run.workdir), "--out", str(tmp_path / "hf")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env=without_device_count())
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stderr == "", done.stderr[-3000:]
     assert done.stdout.splitlines() == [f"exported step 2 of {trained_tiny_run.workdir} to "

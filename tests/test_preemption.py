@@ -23,7 +23,7 @@ ARGS = ["--config", "configs/tiny.py", "--config.optimizer.logra.variant=kl",
 
 # Without the suite's NPROC: the command sizes XLA:CPU's thread pool itself, and the KL variant
 # with micro-batches of 8 rows on 8 devices is the run whose collectives starved a pool of one
-# thread per device (launch/__init__.py: size_cpu_thread_pool). Without that, its first step aborts.
+# thread per device (launch/process.py: size_cpu_thread_pool). Without that, its first step aborts.
 ENV = {name: value for name, value in os.environ.items() if name != "NPROC"}
 
 

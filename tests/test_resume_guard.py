@@ -51,8 +51,8 @@ def _refused(config, workdir) -> str:
 
 
 def test_a_resume_with_another_seed_is_refused_without_config_json(copied):
-    """The case that used to resume silently: seed 0's checkpoint, config.json deleted, the run
-    resumed with seed 1 and recorded seed 1 for a history trained with seed 0."""
+    """Seed 0's checkpoint with config.json deleted: without the checkpoint's own record, a run
+    with seed 1 would resume it and record seed 1 for a history trained with seed 0."""
     line = _refused(tiny_config(dict(max_steps=3, seed=1)), copied)
     assert f"checkpoint 2 in {copied / 'checkpoints'} was trained with another config" in line, line
     assert "seed 0 → 1" in line, line

@@ -43,9 +43,12 @@ class StopRequest:
         self._previous: dict[int, object] = {}
 
     def install(self) -> "StopRequest":
+        """Makes `_handle` the handler of both signals (again: a library may have replaced it —
+        JAX's distributed runtime installs its own for SIGTERM)."""
         if threading.current_thread() is threading.main_thread():
             for signum in SIGNALS:
-                self._previous[signum] = signal.signal(signum, self._handle)
+                previous = signal.signal(signum, self._handle)
+                self._previous.setdefault(signum, previous)
         return self
 
     def uninstall(self) -> None:
@@ -67,13 +70,12 @@ class StopRequest:
     def deferred(self) -> Iterator["StopRequest"]:
         """The training loop: a signal asks it to stop after its step (``self.signum`` is set)."""
         self.signum, self._deferring = None, True
+        self.install()
         try:
             yield self
         finally:
             self._deferring = False
-            for signum in SIGNALS:   # after a first signal the handlers were the defaults
-                if signum in self._previous:
-                    signal.signal(signum, self._handle)
+            self.install()   # after a first signal the handlers were the defaults
 
 
 _installed: StopRequest | None = None
@@ -83,8 +85,15 @@ def install() -> StopRequest:
     """Installs the process's handlers (a command calls it first thing in ``main``)."""
     global _installed
     if _installed is None:
-        _installed = StopRequest().install()
-    return _installed
+        _installed = StopRequest()
+    return _installed.install()
+
+
+def reinstall() -> None:
+    """The installed handlers again, after starting what may have replaced them (JAX's
+    distributed runtime installs its own SIGTERM handler); nothing where none was installed."""
+    if _installed is not None:
+        _installed.install()
 
 
 @contextlib.contextmanager

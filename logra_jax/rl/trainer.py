@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import pathlib
 import signal
-import threading
 import time
 from typing import Any
 
