@@ -115,3 +115,23 @@ def test_a_cut_last_metrics_line_is_dropped_and_a_bad_one_is_named(tmp_path):
     path.write_text('{"step": 1}\nnot json\n{"step": 3}\n')
     with pytest.raises(ValueError, match=r"metrics.jsonl:2: not a JSON metrics row"):
         metrics.read_jsonl(path)
+
+
+def test_a_signal_after_the_loop_does_not_say_nothing_was_trained():
+    """Before a loop, a signal raises `Interrupted` ("nothing was trained"); once a loop has run,
+    a signal while the run saves its checkpoint and closes is a stop request, not an interruption
+    (the run did train). In this process, with its own handlers, restored at the end."""
+    from logra_jax.rl import stopping
+    stop = stopping.StopRequest().install()
+    try:
+        with pytest.raises(stopping.Interrupted):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(1)   # the handler runs between bytecodes; this gives it the time
+        stop.install()
+        with stop.deferred():
+            pass
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.1)
+        assert stop.signum == signal.SIGTERM
+    finally:
+        stop.uninstall()

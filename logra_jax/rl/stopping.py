@@ -6,7 +6,8 @@ process at once: it raises `Interrupted` where the main thread is, and what the 
 undone on the way out (its lock released, the entries it created and left empty removed). Inside
 the loop (`StopRequest.deferred`), a signal asks the loop to stop after the step in progress — a
 jitted step cannot be interrupted halfway anyway — with a checkpoint; a second signal gets the
-default action: it stops at once.
+default action: it stops at once. Once a loop has run, a first signal no longer interrupts
+anything: the run is ending with its checkpoint.
 
 `critical` holds signals back for a few lines that must not be cut in the middle (moving an
 earlier run aside, replacing config.json): one that arrives there is delivered when they end.
@@ -40,6 +41,7 @@ class StopRequest:
     def __init__(self):
         self.signum: int | None = None
         self._deferring = False
+        self._looped = False   # a loop ran: from then on no signal raises Interrupted
         self._previous: dict[int, object] = {}
 
     def install(self) -> "StopRequest":
@@ -58,18 +60,22 @@ class StopRequest:
 
     def _handle(self, signum, frame):
         del frame
-        if not self._deferring:
+        if not (self._deferring or self._looped):
             raise Interrupted(signum)
         self.signum = signum
         for s in SIGNALS:   # a second signal stops at once
             signal.signal(s, signal.SIG_DFL if s == signal.SIGTERM else signal.default_int_handler)
-        logging.warning("%s: stopping after this step, with a checkpoint (again: stop now)",
-                        signal.Signals(signum).name)
+        if self._deferring:
+            logging.warning("%s: stopping after this step, with a checkpoint (again: stop now)",
+                            signal.Signals(signum).name)
+        else:
+            logging.warning("%s: the run is ending with its checkpoint (again: stop now)",
+                            signal.Signals(signum).name)
 
     @contextlib.contextmanager
     def deferred(self) -> Iterator["StopRequest"]:
         """The training loop: a signal asks it to stop after its step (``self.signum`` is set)."""
-        self.signum, self._deferring = None, True
+        self.signum, self._deferring, self._looped = None, True, True
         self.install()
         try:
             yield self
