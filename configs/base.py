@@ -17,7 +17,7 @@ DEFAULT_INSTRUCTION = "Please reason step by step, and put your final answer wit
 # The two LoGRA variants of docs/algorithm.md, as presets: the optimizer section and the RL
 # objective each runs with. `use_logra_variant(c, "kl")` applies one.
 LOGRA_VARIANTS = {
-    "grpo": (dict(variant="grpo", others="adamw"), dict(algorithm="grpo")),
+    "grpo": (dict(variant="learning_rate", others="adamw"), dict(algorithm="grpo")),
     "kl": (dict(variant="kl", others="frozen", kl_control=True, weight_decay=0.0),
            dict(algorithm="reinforce")),
 }
@@ -126,7 +126,7 @@ def get_config() -> ml_collections.ConfigDict:
     ))
     # logra_jax.optim.logra(...) (docs/algorithm.md §2–6). Variants: LOGRA_VARIANTS above.
     c.optimizer.logra = ml_collections.ConfigDict(dict(
-        variant="grpo",                   # "grpo" | "kl"
+        variant="learning_rate",          # the step: "learning_rate" (the GRPO variant) | "kl"
         learning_rate=1e-6, weight_decay=0.0,                      # grpo only
         max_grad_norm=placeholder(float),  # None: 1.0 for grpo, no clipping for kl; inf: none
         # sketch and RowAdam (§2–4)

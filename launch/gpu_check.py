@@ -6,15 +6,16 @@
 Each part is a fresh process of one of the project's commands, cut at its own time limit and at
 what is left of the whole budget (a part that does not finish keeps its log, and its cell says so):
 
-- versions: Python, jax, jaxlib, flax, optax, the CUDA plugin, the device, its memory and
-  ``XLA_PYTHON_CLIENT_MEM_FRACTION`` (0.95 unless set: JAX's default 0.75 caps a peak-memory run
-  near 104 of an H200's 139 GiB).
+- versions (launch/gpu_check_versions.py): Python, jax, jaxlib, flax, optax, the CUDA plugin, the
+  device, its memory and ``XLA_PYTHON_CLIENT_MEM_FRACTION`` (0.95 unless set: JAX's default 0.75
+  caps a peak-memory run near 104 of an H200's 139 GiB).
 - memory: one real update of the 7B config (Qwen2.5-7B shapes, one device, 8 rows × 2048 tokens in
   2 micro-steps) per optimizer, LoGRA and AdamW each in a fresh process (a device's high-water mark
   cannot be reset): ``peak_bytes_in_use`` beside XLA's prediction on the device; an update that does
   not fit is ``does not fit: needs X GiB``, X being XLA's figure (launch/step_time.py --peak_memory).
 - plan: the same program planned without a device — by XLA:GPU for ``--plan_target`` (the target
-  of `launch.memory --target`; where this checkout or its CUDA plugin lacks it, the cell says why)
+  of `launch.memory --target`, by default the GPU node of the device's kind in
+  logra_jax/perf/machines.py; where this checkout or its CUDA plugin lacks it, the cell says why)
   and by XLA:CPU — on the host's CPU while the other parts run (JAX_PLATFORMS=cpu).
 - time: update time LoGRA vs AdamW at 7B proportions (launch.step_time, bf16, widths 2048, 4096).
 - sampler: tokens/s and achieved/roofline at batch 1 / 16 / 64, stacked and per-layer decode, the
@@ -22,9 +23,10 @@ what is left of the whole budget (a part that does not finish keeps its log, and
 - rl: seconds per RL step of the whole loop, split by phase, Qwen2.5-1.5B's shape with random
   weights (launch.rl_step_time).
 
-It writes ``gpu_check.json`` and ``gpu_check.md`` (the tables, with each part's command) and one
-log per part to ``--out`` (``$GPU_CHECK_OUT``). It installs nothing and never imports jax itself (a
-process holding the GPU would distort the others' memory). Without a GPU it stops, unless
+It writes ``gpu_check.json``, ``gpu_check.md`` (the tables, with each part's command:
+launch/gpu_check_page.py) and one log per part to ``--out`` (``$GPU_CHECK_OUT``). It installs
+nothing and never imports jax itself (a process holding the GPU would distort the others'
+memory). Without a GPU it stops, unless
 ``ALLOW_CPU=1``: then ``--size small`` (the default there) runs every part at toy sizes on CPU —
 the plumbing, as the test suite does (tests/test_gpu_check.py).
 """
@@ -44,6 +46,8 @@ import time
 from absl import flags
 
 from launch import cli
+from launch.gpu_check_page import markdown
+from logra_jax.perf import machines
 
 _OUT = flags.DEFINE_string("out", os.environ.get("GPU_CHECK_OUT") or "runs/gpu_check",
                            "Folder for gpu_check.json, gpu_check.md and the parts' logs "
@@ -62,15 +66,14 @@ PARTS = ("memory", "plan", "time", "sampler", "rl")   # and versions, always fir
 OPTIMIZERS = ("logra", "adamw")
 MEM_FRACTION = "0.95"
 RL_WORKDIR = "rl_run"
-GIB = 2**30
 
 # The 7B update of the GPU memory table, on one device (configs/qwen2_5_7b_gsm8k.py lays it out for
 # 4 training + 4 rollout devices): 4 prompts × 2 completions = 8 rows of 2048 tokens, micro-batches
 # of 4 rows.
 ONE_DEVICE = ["--config.mesh.fsdp=1", "--config.mesh.tensor=1", "--config.sync.rollout_devices=0",
               "--config.data.prompts_per_step=4", "--config.rl.num_generations=2"]
-# GPU names (jax's device_kind) → launch.memory's deviceless XLA:GPU targets.
-PLAN_TARGETS = (("H200", "h200-8"), ("H100", "h100-8"), ("A100", "a100-80gb-8"), ("B200", "b200-8"))
+# The deviceless XLA:GPU plan's target on a GPU the machine table does not know.
+DEFAULT_PLAN_TARGET = "h200-8"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,29 +106,6 @@ SMALL = Size(
     limits=dict(versions=60, memory=120, plan=240, time=120, sampler=120, rl=120))
 
 
-VERSIONS_SCRIPT = r"""
-import importlib.metadata as md, json, os, platform, sys
-from launch import process
-process.setup(1)
-import jax
-def version(name):
-    try:
-        return md.version(name)
-    except md.PackageNotFoundError:
-        return None
-devices = jax.devices()
-stats = devices[0].memory_stats() or {}
-plugins = {d.metadata["Name"]: d.version for d in md.distributions()
-           if d.metadata["Name"] and d.metadata["Name"].lower().startswith(("jax-cuda", "jax_cuda"))}
-print(json.dumps(dict(
-    python=platform.python_version(), jax=jax.__version__, jaxlib=version("jaxlib"),
-    flax=version("flax"), optax=version("optax"), orbax_checkpoint=version("orbax-checkpoint"),
-    cuda_plugins=plugins, backend=jax.default_backend(), device_kind=devices[0].device_kind,
-    device_count=len(devices), bytes_limit=stats.get("bytes_limit"),
-    mem_fraction=os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"))))
-"""
-
-
 def _python() -> str:
     return sys.executable
 
@@ -146,8 +126,6 @@ class Part:
     def command(self) -> str:
         env = " ".join(f"{k}={v}" for k, v in self.env.items())
         args = self.argv[1:] if self.argv[:1] == [_python()] else self.argv
-        if args[:2] == ["-c", VERSIONS_SCRIPT]:
-            args = ["-c", "<launch/gpu_check.py: VERSIONS_SCRIPT>"]
         return (env + " " if env else "") + "python " + " ".join(args)
 
     def start(self, out: pathlib.Path, base_env: dict) -> None:
@@ -316,155 +294,10 @@ def collect(parts: list[Part], out: pathlib.Path) -> dict:
     return result
 
 
-# ---- the markdown page -----------------------------------------------------------------------
-
-def _gib(n) -> str:
-    return f"{n / GIB:.2f}" if isinstance(n, (int, float)) else "–"
-
-
-def memory_rows(result: dict) -> list[str]:
-    memory = result.get("memory", {})
-    plans = {name: result.get(name) for name in ("plan_gpu", "plan_cpu")}
-
-    on_cpu = (result.get("versions") or {}).get("backend") == "cpu"
-
-    def plan_cell(name, opt):
-        plan = plans[name]
-        if plan is None and name == "plan_cpu" and on_cpu:
-            return "the device's prediction (XLA:CPU)"
-        if plan is None:
-            return "not run"
-        if "absent" in plan:
-            return f"absent ({plan['absent']})"
-        if opt in plan["peak"]:
-            return _gib(plan["peak"][opt])
-        if opt in plan["refused"]:   # the compiler's own verdict, keyed by the column's label
-            needed = plan["refused"][opt]
-            return f"refused: needs {_gib(needed)} GiB" if needed else "refused"
-        return "–"
-
-    gpu_target = (plans["plan_gpu"] or {}).get("target") or "XLA:GPU"
-    rows = [f"| optimizer | measured peak_bytes_in_use | XLA's prediction on the device | "
-            f"deviceless XLA:GPU plan ({gpu_target}) | XLA:CPU plan |", "|---|---|---|---|---|"]
-    for opt in OPTIMIZERS:
-        m = memory.get(opt)
-        if m is None:
-            continue
-        if "absent" in m:
-            measured = predicted = f"absent ({m['absent']})"
-        elif not m.get("fits", True):
-            measured = m["message"]
-            predicted = _gib(m.get("predicted_peak"))
-        else:
-            measured = (_gib(m["peak_bytes_in_use"]) if m.get("peak_bytes_in_use") is not None
-                        else f"– ({m['backend']} keeps no allocator statistics)")
-            predicted = _gib(m.get("predicted_peak"))
-        rows.append(f"| {opt} | {measured} | {predicted} | {plan_cell('plan_gpu', opt)} | "
-                    f"{plan_cell('plan_cpu', opt)} |")
-
-    def ratio(logra, adamw, adamw_needs):
-        """LoGRA's figure over AdamW's; over what AdamW needs (a bound: ≤) where it did not fit."""
-        b, bound = (adamw, "") if isinstance(adamw, (int, float)) else (adamw_needs, "≤ ")
-        return (f"{bound}{logra / b:.3f}" if isinstance(logra, (int, float))
-                and isinstance(b, (int, float)) and b else "–")
-    lo, ad = memory.get("logra", {}), memory.get("adamw", {})
-    gpu, cpu = plans["plan_gpu"] or {}, plans["plan_cpu"] or {}
-    cells = [ratio(lo.get("peak_bytes_in_use"), ad.get("peak_bytes_in_use"), ad.get("needs_bytes")),
-             ratio(lo.get("predicted_peak"), ad.get("predicted_peak"), ad.get("needs_bytes")),
-             ratio(gpu.get("peak", {}).get("logra"), gpu.get("peak", {}).get("adamw"),
-                   gpu.get("refused", {}).get("adamw")),
-             ratio(cpu.get("peak", {}).get("logra"), cpu.get("peak", {}).get("adamw"),
-                   cpu.get("refused", {}).get("adamw"))]
-    rows.append("| logra / adamw | " + " | ".join(cells) + " |")
-    return rows
-
-
-def markdown(result: dict, when: str) -> str:
-    v = result.get("versions") or {}
-    lines = [f"# gpu-check, {when}", ""]
-    if v:
-        plugins = ", ".join(f"{k} {val}" for k, val in (v.get("cuda_plugins") or {}).items()) or "none"
-        lines += [f"Machine: {v['device_count']} × {v['device_kind']} ({v['backend']}), allocator "
-                  f"limit {_gib(v.get('bytes_limit'))} GiB, XLA_PYTHON_CLIENT_MEM_FRACTION="
-                  f"{v.get('mem_fraction')}; Python {v['python']}, jax {v['jax']}, jaxlib "
-                  f"{v['jaxlib']}, flax {v['flax']}, optax {v['optax']}, orbax-checkpoint "
-                  f"{v['orbax_checkpoint']}; CUDA plugins: {plugins}.", ""]
-    if "memory" in result or "plan_gpu" in result or "plan_cpu" in result:
-        m = next((x for x in result.get("memory", {}).values() if "params" in x), {})
-        lines += [f"## Peak memory of one update, GiB per device ({m.get('model', 'the config')}, "
-                  f"{m['params'] / 1e6:,.1f} M parameters)" if m else
-                  "## Peak memory of one update, GiB per device", ""] + memory_rows(result) + [""]
-    t = result.get("time")
-    if t:
-        lines += ["## Update time, LoGRA vs AdamW", ""]
-        if "absent" in t:
-            lines += [f"absent ({t['absent']})", ""]
-        else:
-            lines += [f"{t['layers']} layers, {t['micro_steps']} micro-step(s) of {t['rows']} × "
-                      f"{t['tokens']} tokens, rank {t['rank']}, vocabulary {t['vocab']}, {t['dtype']}, "
-                      f"{t['device_kind']}; median of {t['repeats']} interleaved runs", "",
-                      "| width | logra ms | adamw ms | time ratio | paired ratio | FLOP ratio |",
-                      "|---|---|---|---|---|---|"]
-            for w in t["widths"]:
-                flops = w["flops"]["logra"] / w["flops"]["adamw"] if w["flops"]["adamw"] else float("nan")
-                lines.append(f"| {w['width']} | {w['ms']['logra']:.1f} | {w['ms']['adamw']:.1f} | "
-                             f"{w['ms']['logra'] / w['ms']['adamw']:.3f} | "
-                             f"{w['paired']['logra'][0]:.3f} | {flops:.3f} |")
-            lines.append("")
-    s = result.get("sampler")
-    if s:
-        lines += ["## Sampler", ""]
-        if s["rows"]:
-            r0 = s["rows"][0]
-            lines += [f"{r0['model']}, {r0['dtype']}, {r0['prompt_length']} + "
-                      f"{r0['completion_length']} tokens per row, {r0['device_kind']}; matmul "
-                      f"{r0['matmul_flops_per_second'] / 1e9:,.1f} GFLOP/s, copy "
-                      f"{r0['copy_bytes_per_second'] / GIB:.1f} GiB/s (measured)", "",
-                      "| batch | decode | seconds | tokens/s | roofline s | achieved/roofline |",
-                      "|---|---|---|---|---|---|"]
-            lines += [f"| {r['batch']} | {r['decode_weights']} | {r['seconds']:.3f} | "
-                      f"{r['tokens_per_second']:.1f} | {r['roofline_seconds']:.3f} | "
-                      f"{r['achieved_over_roofline']:.2f} |" for r in s["rows"]]
-        if s["status"] != "ok":
-            lines.append(f"\nnot every cell finished: {s.get('why', s['status'])}")
-        lines.append("")
-    rl = result.get("rl")
-    if rl:
-        lines += ["## Seconds per RL step", ""]
-        if "absent" in rl:
-            lines += [f"absent ({rl['absent']})", ""]
-            for row in rl.get("logged_steps", []):   # what the trainer logged before the cut
-                lines.append(f"- step {row.get('step')}: " + ", ".join(
-                    f"{k.removeprefix('time/')} {v:.2f} s" for k, v in row.items()
-                    if k.startswith("time/")))
-            lines.append("")
-        else:
-            lines += [f"{rl['model']}, {rl['optimizer']}: {rl['rows']} rows of "
-                      f"{rl['prompt_window']} + ≤ {rl['max_completion_length']} tokens per step, "
-                      f"{rl['devices']} × {rl['device_kind']}", "",
-                      "| | rollout | reward | reference | update | sync | step | generated tokens/s per device |",
-                      "|---|---|---|---|---|---|---|---|"]
-            for label, part in (("first step (compiles)", rl["first"]),
-                                (f"median of {rl['steps'] - 1} more", rl["steady"])):
-                if part:
-                    lines.append(f"| {label} | " + " | ".join(
-                        f"{part['seconds'][p]:.2f}" for p in
-                        ("rollout", "reward", "reference", "update", "sync"))
-                        + f" | {part['step_seconds']:.2f} | "
-                        f"{part['generated_tokens_per_second_per_device']:.1f} |")
-            lines.append("")
-    lines += ["## Commands", "", "| part | status | seconds | command |", "|---|---|---|---|"]
-    for name, p in result["parts"].items():
-        seconds = f"{p['seconds']:.0f}" if p["seconds"] is not None else "–"
-        lines.append(f"| {name} | {p['status']} | {seconds} | `{p['command']}` |")
-    return "\n".join(lines) + "\n"
-
-
 def plan_target_for(device_kind: str) -> str:
-    for name, target in PLAN_TARGETS:
-        if name in device_kind.upper():
-            return target
-    return "h200-8"
+    """launch.memory's GPU node for the GPU jax names ``device_kind``."""
+    node = machines.gpu_node_for(device_kind)
+    return node.name if node is not None else DEFAULT_PLAN_TARGET
 
 
 def main(argv):
@@ -480,7 +313,8 @@ def main(argv):
     out = pathlib.Path(_OUT.value)
     out.mkdir(parents=True, exist_ok=True)
     # The versions part runs first, alone: it also says which backend the others will meet.
-    versions = Part("versions", [_python(), "-c", VERSIONS_SCRIPT], FULL.limits["versions"])
+    versions = Part("versions", [_python(), "-m", "launch.gpu_check_versions"],
+                    FULL.limits["versions"])
     versions.start(out, base_env)
     versions.wait(time.monotonic() + versions.limit)
     found = _last_json_line(out / "versions.out")

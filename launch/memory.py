@@ -6,10 +6,10 @@
         [--rollout_devices N] [--hosts H] [--explain 15] [--json out.json] [--config.key=value ...]
 
 ``--target cpu`` (default): XLA:CPU on simulated CPU devices. Any other target is a machine this
-one compiles for without having it (perf/targets.py): a GPU node, ``a100-80gb-8``, ``h100-8``,
-``h200-8``, ``b200-8`` (XLA:GPU, the ``gpu-plan`` extra; perf/gpu.py), or a Cloud TPU slice,
-``v5p-16``, ``v6e-8``, ... (the TPU compiler, the ``tpu`` extra; perf/tpu.py). The program is
-compiled for the target's devices, FSDP over all of them unless ``--mesh`` says otherwise, and so is
+one compiles for without having it (perf/machines.py): a GPU node, ``a100-80gb-8``, ``h100-8``,
+``h200-8``, ``b200-8`` (XLA:GPU, the ``gpu-plan`` extra), or a Cloud TPU slice, ``v5p-16``,
+``v6e-8``, ... (the TPU compiler, the ``tpu`` extra). The program is compiled for the target's
+devices, FSDP over all of them unless ``--mesh`` says otherwise, and so is
 the sampler's ``generate`` for the rollout batch, so the rollout phase is the compiler's figure
 too. The header names the compiler and its version and the hardware; the last lines say whether
 each column's RL footprint fits a device's memory (a TPU's HBM, a GPU's allocator limit):
@@ -44,6 +44,7 @@ which process drives it, so the table is per device as always, and the header ad
 share.
 """
 
+import dataclasses
 import json
 import math
 import os
@@ -70,10 +71,11 @@ _ROLLOUT = flags.DEFINE_integer("rollout_devices", None,
                                 "(default: config.sync.rollout_devices, else 0).")
 _HOSTS = flags.DEFINE_integer("hosts", 1, "Hosts the training mesh spans (its devices split evenly).")
 _EXPLAIN = flags.DEFINE_integer("explain", 0, "List the N largest buffers live at each peak.")
-_NO_LICM = flags.DEFINE_bool("no_licm", False,
-                             "Disable XLA's loop-invariant code motion for every column: on CPU it "
-                             "hoists f32 copies of whole bf16 weight stacks out of the layer loops "
-                             "(bf16 dots run in f32 here, natively on GPUs). For bf16-weight plans.")
+_HOIST = flags.DEFINE_bool("hoist_invariants", True,
+                           "XLA's loop-invariant code motion for every column; false disables it: on "
+                           "CPU it hoists f32 copies of whole bf16 weight stacks out of the layer "
+                           "loops (bf16 dots run in f32 here, natively on GPUs). For bf16-weight "
+                           "plans: --hoist_invariants=false.")
 _JSON = flags.DEFINE_string("json", None, "Also write the numbers (bytes) to this JSON file.")
 _TARGET = flags.DEFINE_string(
     "target", "cpu", "Compile for: cpu (XLA:CPU on simulated devices); a GPU node, compiled by "
@@ -117,14 +119,30 @@ def devices_per_host(mesh_size: int, hosts: int) -> int:
     return mesh_size // hosts
 
 
-def measure(config, cols, mesh_sizes, rollout_devices, micro_steps, explain, hoist=True, hosts=1,
-            devices=None, compile_rollout=False):
-    """(mesh, [StepMemory], [LoopMemory], [RolloutMemory] or None, {label: peak breakdown},
-    {label: targets.DoesNotFit}) for the columns ``cols``. A column whose update or sampler the TPU
-    compiler refuses is left out of the lists and kept with the refusal (its figure is the
-    compiler's "needs X of Y"), so the columns that fit still make a table."""
+@dataclasses.dataclass(frozen=True)
+class Measured:
+    """What `measure` compiled, for the columns that fit: one StepMemory, LoopMemory and (with
+    ``compile_rollout``) RolloutMemory each, in column order; ``breakdowns`` {label: (bytes,
+    buffers)} at each update's peak (``explain``); ``refused`` {label: oom.DoesNotFit} for the
+    columns whose update or sampler the compiler refused (their figure is its "needs X of Y")."""
+
+    mesh: object
+    steps: list
+    loops: list
+    rollouts: list | None
+    breakdowns: dict
+    refused: dict
+
+
+def measure(config, cols, mesh_sizes, rollout_devices, micro_steps, explain, hoist_invariants=True,
+            hosts=1, devices=None, compile_rollout=False) -> Measured:
+    """Compiles each of the columns ``cols`` (perf/memory.py: `columns`) on the training mesh of
+    ``mesh_sizes`` over ``devices`` (default: this process's), the last ``rollout_devices`` of them
+    the sampler's. A column whose update or sampler the TPU compiler refuses is left out of the
+    lists and kept with the refusal, so the columns that fit still make a table."""
     import jax
-    from logra_jax.perf import memory, targets
+    from logra_jax.perf import hlo_dump, memory, oom
+    from logra_jax.rl import optimizers
     from logra_jax.rl.build import build_mesh
 
     devices = jax.devices() if devices is None else devices
@@ -137,92 +155,38 @@ def measure(config, cols, mesh_sizes, rollout_devices, micro_steps, explain, hoi
                           devices[len(devices) - rollout_devices:])
                if rollout_devices else mesh)
     steps, loops, rollouts, breakdowns, refused = [], [], [], {}, {}
-    generate = {}   # the sampler's program differs between columns only by LoRA's adapters
+    generate = {}   # the sampler's program differs between columns only by an optimizer's adapters
     for label, name, param_dtype in cols:
         run = config.copy_and_resolve_references()
         run.optimizer.name = name
         run.model.param_dtype = param_dtype
         try:
             if compile_rollout:   # first: the quicker compile, and the one a big batch overfills
-                kind = name == "lora"
+                kind = name if optimizers.get(name).adapters is not None else None
                 if kind not in generate:
                     try:
                         generate[kind] = memory.rollout_step_memory(run, rollout)
-                    except targets.DoesNotFit as e:
+                    except oom.DoesNotFit as e:
                         generate[kind] = e
-                if isinstance(generate[kind], targets.DoesNotFit):
+                if isinstance(generate[kind], oom.DoesNotFit):
                     raise generate[kind]
             if explain:
                 with tempfile.TemporaryDirectory() as dump:
                     step = memory.update_step_memory(run, mesh, micro_steps=micro_steps,
                                                      dump_dir=dump, label=label,
-                                                     hoist_invariants=hoist)
-                    breakdowns[label] = memory.peak_breakdown(dump)
+                                                     hoist_invariants=hoist_invariants)
+                    breakdowns[label] = hlo_dump.peak_breakdown(dump)
             else:
                 step = memory.update_step_memory(run, mesh, micro_steps=micro_steps, label=label,
-                                                 hoist_invariants=hoist)
-        except targets.DoesNotFit as e:
+                                                 hoist_invariants=hoist_invariants)
+        except oom.DoesNotFit as e:
             refused[label] = e
             continue
         if compile_rollout:
             rollouts.append(generate[kind])
         steps.append(step)
         loops.append(memory.rl_resident_bytes(run, mesh, rollout))
-    return mesh, steps, loops, (rollouts if compile_rollout else None), breakdowns, refused
-
-
-def refusal_line(refusal, target_name: str) -> str:
-    """The TPU compiler's refusal of a column's program as one line."""
-    from logra_jax.perf.targets import gib_text
-    lever = ("; rollouts in smaller passes hold one pass's KV cache: "
-             "--config.rl.rollout_micro_batch=N, N dividing the rows"
-             if refusal.program.startswith("the sampler's generate") else "")
-    return (f"does not fit: {refusal.program} needs {gib_text(refusal.needed)} of "
-            f"{gib_text(refusal.available)} HBM per device on {target_name}{lever} (the TPU "
-            f"compiler's refusal: {refusal})")
-
-
-def cost_lines(steps, target) -> list[str]:
-    """Each update's cost per device: its matmul FLOPs (loops as they run), XLA's bytes accessed
-    (loop bodies counted once, so a lower bound) and, for an accelerator target, the roofline lower
-    bound max(FLOPs / peak bf16 FLOP/s, bytes / bandwidth) from the device's published figures."""
-    lines = []
-    for s in steps:
-        accessed = (f"≥ {s.bytes_accessed:.3e} bytes accessed (XLA, loop bodies once)"
-                    if s.bytes_accessed else "bytes accessed not reported by this compiler")
-        line = (f"cost per device: {s.optimizer} {s.flops:.3e} matmul FLOPs per update (loops as "
-                f"they run), {accessed}")
-        if target is not None:
-            bound = target.roofline_seconds(s.flops, s.bytes_accessed)
-            kind = "compute" if bound["compute"] >= bound["memory"] else "memory"
-            line += (f"; roofline ≥ {bound['bound']:.3g} s on {target.family} "
-                     f"({kind}-bound; a lower bound, not a prediction)")
-        lines.append(line)
-    a = steps[0]
-    lines += [f"matmul FLOPs per update: {a.optimizer} / {b.optimizer} {a.flops / b.flops:.3f}"
-              for b in steps[1:] if a.flops and b.flops]
-    return lines
-
-
-def target_header(target, mesh) -> str:
-    """Which compiler made the numbers, and for which hardware: XLA:CPU's simulated devices, or a
-    target's compiler and version and its devices (their kind as the compiler named them)."""
-    import jax
-    if target is None:
-        return f"compiler: XLA:CPU (jax {jax.__version__}), {mesh.size} simulated CPU devices"
-    return (f"compiler: {target.compiler()}; {target.describe(mesh.size)}; devices "
-            f"'{mesh.devices.flat[0].device_kind}'")
-
-
-def fit_line(target, label: str, footprint: dict, peak: int) -> tuple[bool, str]:
-    """(fits, "fits: ..." or "does not fit: <label> needs X GiB of Y ...") for a column's RL
-    footprint against the memory a program may use on one of ``target``'s devices."""
-    from logra_jax.perf import memory
-    fits = footprint["total"] <= target.memory_per_device
-    return fits, (f"{'fits' if fits else 'does not fit'}: {label} needs "
-                  f"{memory.gib(footprint['total'])} GiB of {target.memory_text} per "
-                  f"{target.unit} on {target.name} (RL footprint; update peak {memory.gib(peak)} "
-                  f"GiB; {target.judge})")
+    return Measured(mesh, steps, loops, rollouts if compile_rollout else None, breakdowns, refused)
 
 
 def host_devices(mesh: str | None, rollout_devices: int | None) -> int:
@@ -263,13 +227,15 @@ def main(argv):
     from launch import process
     process.setup(host_devices(_MESH.value, _ROLLOUT.value))
     os.environ.setdefault("JAX_PLATFORMS", "cpu")   # XLA:CPU plans; targets compile deviceless
-    from logra_jax.perf import memory, targets
+    from launch.memory_report import (cost_lines, fit_line, format_table, gib, refusal_line,
+                                      target_header)
+    from logra_jax.perf import machines, memory
 
     config = _CONFIG.value
     target, devices = None, None
     try:
         if _TARGET.value != "cpu":
-            target = targets.target(_TARGET.value).with_hosts(_HOSTS.value)
+            target = machines.machine(_TARGET.value).with_hosts(_HOSTS.value)
             devices = target.jax_devices()
         if _OPTIMIZER.value:
             config.optimizer.name = _OPTIMIZER.value
@@ -287,10 +253,12 @@ def main(argv):
                             target.name if target else "cpu", _HOSTS.value)
         compile_rollout = (target is not None if _ROLLOUT_COMPILE.value is None
                            else _ROLLOUT_COMPILE.value)
-        mesh, steps, loops, rollouts, breakdowns, refused = measure(
+        measured = measure(
             config, cols, mesh_sizes, rollout_devices, _MICRO_STEPS.value, _EXPLAIN.value,
-            hoist=not _NO_LICM.value, hosts=_HOSTS.value, devices=devices,
+            hoist_invariants=_HOIST.value, hosts=_HOSTS.value, devices=devices,
             compile_rollout=compile_rollout)
+        mesh, steps, loops, rollouts = measured.mesh, measured.steps, measured.loops, measured.rollouts
+        breakdowns, refused = measured.breakdowns, measured.refused
         per_host = devices_per_host(mesh.size, _HOSTS.value)
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"error: {e}")
@@ -316,9 +284,9 @@ def main(argv):
           f"{rl.max_prompt_length + rl.max_completion_length} tokens; rollout: "
           f"{'colocated' if loops[0].colocated else f'{loops[0].rollout_devices} own devices'}")
     print(target_header(target, mesh))
-    print(memory.format_table(steps, loops, rollouts, unit=target.unit if target else "device"))
+    print(format_table(steps, loops, rollouts, unit=target.unit if target else "device"))
     for name, (peak, entries) in breakdowns.items():
-        print(f"\nlargest buffers live at the {name} peak ({memory.gib(peak)} GiB), MiB:")
+        print(f"\nlargest buffers live at the {name} peak ({gib(peak)} GiB), MiB:")
         for label, size in entries[:_EXPLAIN.value]:
             print(f"  {size / 2**20:>9.1f}  {label}")
     if _JSON.value:
@@ -334,11 +302,11 @@ def main(argv):
     a = steps[0]
     if a.optimizer == own:
         for b in steps[1:]:
-            print(f"peak per device: {a.optimizer} {memory.gib(a.peak)} GiB, {b.optimizer} "
-                  f"{memory.gib(b.peak)} GiB, ratio {a.peak / b.peak:.3f}")
+            print(f"peak per device: {a.optimizer} {gib(a.peak)} GiB, {b.optimizer} "
+                  f"{gib(b.peak)} GiB, ratio {a.peak / b.peak:.3f}")
         for label, e in refused.items():   # the compiler's figure stands in for the refused peak
-            print(f"peak per device: {a.optimizer} {memory.gib(a.peak)} GiB, {label} refused "
-                  f"(needs {memory.gib(e.needed)} GiB), ratio {a.peak / e.needed:.3f}")
+            print(f"peak per device: {a.optimizer} {gib(a.peak)} GiB, {label} refused "
+                  f"(needs {gib(e.needed)} GiB), ratio {a.peak / e.needed:.3f}")
     if target is not None:
         fits = {}
         for s, loop, r in zip(steps, loops, rollouts or [None] * len(steps)):

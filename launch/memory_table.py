@@ -10,11 +10,10 @@ Each column of each (config, target) cell is one ``python -m launch.memory --tar
 that column's optimizer and weights (its update and its sampler's ``generate``), with the same
 layout everywhere: the sampler colocated (``--rollout_devices 0``), FSDP over all of the target's
 devices (a TPU slice's, a GPU node's 8), one sequence per device per micro-step. One program pair
-per process bounds the host memory a run holds (five updates and a sampler in one process took
-16 GB at 7B and were OOM-killed beside the test suite; one column takes about 4 GB), at the price
-of compiling the sampler once per column. A target ``cpu-N`` is XLA:CPU's plan of the same column
-on N simulated devices (the figure the planner gave before the accelerator compilers, beside the
-targets of as many devices: v5p-8 has 4, v5p-16, v6e-8, tpu7x-8 and the GPU nodes have 8): its
+per process bounds the host memory a run holds: a process keeps every program it compiled, and a
+7B column alone needs about 4 GB, at the price of compiling the sampler once per column. A target
+``cpu-N`` is XLA:CPU's plan of the same column on N simulated devices (beside the targets of as
+many devices: v5p-8 has 4, v5p-16, v6e-8, tpu7x-8 and the GPU nodes have 8): its
 update is compiled, its rollout phase is the weights plus the KV cache from shapes, as ``--target
 cpu`` prints it, and no device memory judges it. A 7B–70B column takes 2–15 minutes of a 2-core
 machine's CPU, so the runs are resumable: each writes ``<workdir>/<config>@<target>@<column>.json`` and a column whose
@@ -63,14 +62,14 @@ def command(config: str, target: str, column: str, json_path: pathlib.Path,
     a dense baseline, the usual fp32 master weights; one sequence per device per micro-step on the
     target's devices (FSDP over all of them), or on ``cpu-N``'s N simulated ones. ``overrides``
     (KEY=VALUE) set config keys of every run, e.g. optimizer.galore.projector=randomized."""
-    from logra_jax.perf import targets
+    from logra_jax.perf import machines
     name, _, dtype = column.partition(":")
     n = cpu_devices(target)
     where = (["--target", "cpu", "--mesh", f"fsdp={n},tensor=1"] if n is not None
              else ["--target", target])
     args = [sys.executable, "-m", "launch.memory", "--config", config, *where,
             "--rollout_devices", "0", "--optimizer", name, "--json", str(json_path),
-            f"--config.rl.micro_batch_size={n if n is not None else targets.target(target).devices}"]
+            f"--config.rl.micro_batch_size={n if n is not None else machines.machine(target).devices}"]
     if dtype:
         args.append(f"--config.model.param_dtype={_DTYPES[dtype]}")
     for override in overrides:
@@ -101,11 +100,11 @@ def run_column(config: str, target: str, column: str, workdir: pathlib.Path,
 
 
 def _label_of(column: str, own_dtype: str | None) -> str:
-    """launch.memory's label of a column (perf/memory.py: columns)."""
+    """launch.memory's label of a column (perf/memory.py: columns): a dense baseline is always
+    planned with fp32 master weights (its registry entry's ``master_weights``)."""
+    from logra_jax.rl import optimizers
     name, _, dtype = column.partition(":")
-    if name in ("adamw", "adafactor", "galore"):
-        return name if own_dtype == "float32" else f"{name}/fp32"
-    dtype = _DTYPES.get(dtype, own_dtype)
+    dtype = optimizers.get(name).master_weights or _DTYPES.get(dtype, own_dtype)
     return name if dtype == own_dtype else f"{name}/{'bf16' if dtype == 'bfloat16' else 'fp32'}"
 
 
@@ -117,7 +116,7 @@ def cell_text(plan: dict, column: str, own_dtype: str) -> str:
     if footprint is None:
         return "–"
     peak = next(s["peak"] for s in plan["steps"] if s["optimizer"] == label)
-    # Plans written before GPU targets named the budget "hbm_per_device".
+    # The budget's key: "memory_per_device"; "hbm_per_device" in plans of TPU slices by older versions.
     budget = plan.get("memory_per_device", plan.get("hbm_per_device"))
     fits = budget is None or footprint["total"] <= budget
     return f"{footprint['total'] / GIB:.2f} ({peak / GIB:.2f})" + ("" if fits else " ✗")
@@ -162,7 +161,7 @@ def define_flags():
     flags.DEFINE_list("configs", ["configs/qwen2_5_7b_gsm8k.py", "configs/gemma3_27b.py",
                                    "configs/llama3_70b.py"], "Config files, one row each.")
     flags.DEFINE_list("targets", ["v5p-8", "v5p-16", "v6e-8", "tpu7x-8"],
-                      "TPU slices (perf/tpu.py's Cloud names), GPU nodes (perf/gpu.py: a100-80gb-8, "
+                      "TPU slices (perf/machines.py's Cloud names), GPU nodes (a100-80gb-8, "
                       "h100-8, h200-8, b200-8), or cpu-N: XLA:CPU on N simulated devices.")
     flags.DEFINE_list("columns", ["logra:bf16", "logra:fp32", "lora:bf16", "adamw", "galore"],
                       "Columns: an optimizer, LoGRA's and LoRA's optionally with :bf16 or :fp32 "

@@ -23,15 +23,12 @@ import json
 import pathlib
 import sys
 
-import matplotlib
+import numpy as np
+from absl import flags
 
-matplotlib.use("Agg")  # files only; no display
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-from absl import flags  # noqa: E402
-
-from launch import cli  # noqa: E402
-from logra_jax.metrics import read_jsonl  # noqa: E402
+from launch import cli
+from logra_jax.extras import require
+from logra_jax.metrics import read_jsonl
 
 _OUT = flags.DEFINE_string("out", None, "Folder for the PNGs.")
 _RUNS = flags.DEFINE_multi_string("run", [], "label=workdir of a training run (metrics.jsonl).")
@@ -39,6 +36,12 @@ _MEMORY = flags.DEFINE_multi_string("memory", [], "label=file written by launch.
 _WINDOW = flags.DEFINE_integer("window", 4, "Steps in the running mean of the reward.")
 
 GIB = 2.0 ** 30
+
+
+def pyplot():
+    """matplotlib's pyplot, drawing to files only (no display); matplotlib comes with the rl extra."""
+    require("matplotlib", "matplotlib", "launch.report").use("Agg")
+    return require("matplotlib.pyplot", "matplotlib", "launch.report")
 
 
 def load_run(workdir: pathlib.Path) -> list[dict]:
@@ -60,6 +63,7 @@ def running_mean(values: np.ndarray, window: int) -> np.ndarray:
 
 
 def plot_rewards(runs: dict[str, list[dict]], window: int, path: pathlib.Path) -> None:
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     for label, rows in runs.items():
         steps = np.array([r["step"] for r in rows])
@@ -119,7 +123,7 @@ def _save_per_step_log_plot(fig, ax, ylabel: str, path: pathlib.Path) -> None:
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
+    pyplot().close(fig)
 
 
 def plot_kl(runs: dict[str, list[dict]], path: pathlib.Path) -> bool:
@@ -128,7 +132,7 @@ def plot_kl(runs: dict[str, list[dict]], path: pathlib.Path) -> bool:
                if all("logra/predicted_kl" in r and "logra/realized_kl" in r for r in rows)}
     if not with_kl:
         return False
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = pyplot().subplots(figsize=(7, 4))
     for label, rows in with_kl.items():
         steps = [r["step"] for r in rows]
         line, = ax.plot(steps, [r["logra/predicted_kl"] for r in rows], "o-", ms=3,
@@ -148,7 +152,7 @@ def plot_changed(runs: dict[str, list[dict]], path: pathlib.Path) -> bool:
               if all("logra/changed_fraction" in r for r in rows)}
     if not logged:
         return False
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = pyplot().subplots(figsize=(7, 4))
     for label, rows in logged.items():
         ax.plot([r["step"] for r in rows], [r["logra/changed_fraction"] for r in rows], "o-", ms=3,
                 label=label)
@@ -173,6 +177,7 @@ def memory_bars(reports: dict[str, dict]) -> list[tuple[str, dict[str, float]]]:
 
 
 def plot_memory(reports: dict[str, dict], path: pathlib.Path) -> None:
+    plt = pyplot()
     bars = memory_bars(reports)
     fig, ax = plt.subplots(figsize=(1.4 * len(bars) + 2, 4))
     bottom = np.zeros(len(bars))
@@ -205,6 +210,7 @@ def main(argv) -> None:
         reports = {label: json.loads(path.read_text()) for label, path in memory_files.items()}
         if not runs and not reports:
             raise ValueError("nothing to plot: give at least one --run or --memory")
+        pyplot()   # before any file is written
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"error: {e}")
     out.mkdir(parents=True, exist_ok=True)

@@ -69,8 +69,9 @@ def prepare(config, steps: int, prompts: str, reference_batch: bool):
 
 def summarize(rows: list[dict], config, devices: int) -> dict:
     """The per-phase split of metrics.jsonl's ``rows``: the first step and the median of the rest."""
+    from logra_jax.rl.assembly import rows_per_step
     rl = config.rl
-    batch = config.data.prompts_per_step * rl.num_generations
+    batch = rows_per_step(config)
 
     def split(step_rows):
         if not step_rows:

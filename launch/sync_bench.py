@@ -122,7 +122,7 @@ def measured_table(config_path: str, updates: int, variants=tuple(VARIANTS),
 
     from logra_jax import config as config_lib
     from logra_jax import sharding as sharding_lib
-    from logra_jax.rl import build, sync
+    from logra_jax.rl import assembly, build, optimizers, sync
     from logra_jax.rl.policy import Policy
     from logra_jax.rl.rollout import collect_rollouts
     from logra_jax.rl.update import TrainBatch
@@ -149,14 +149,14 @@ def measured_table(config_path: str, updates: int, variants=tuple(VARIANTS),
         model, tokenizer = build.build_model(config.model, train_mesh)
         policy = Policy(model)
         params = Policy.params_of(model)
-        optimizer = build.build_optimizer(config.optimizer)
+        optimizer = optimizers.build(config.optimizer)
         # The trainer's own update: the config's whole loss (epsilon, beta, temperature, ...).
         step = build.build_policy_update(config, policy, optimizer=optimizer, return_updates=True)
         opt_state = jax.jit(optimizer.tx.init,
                             out_shardings=sharding_lib.opt_state_shardings(optimizer.tx, params))(params)
         sampler = build.build_sampler(rl, policy, tokenizer)
-        on_train = sharding_lib.batch_sharding(train_mesh, config.data.prompts_per_step * rl.num_generations)
-        on_rollout = sharding_lib.batch_sharding(rollout_mesh, config.data.prompts_per_step * rl.num_generations)
+        on_train = sharding_lib.batch_sharding(train_mesh, assembly.rows_per_step(config))
+        on_rollout = sharding_lib.batch_sharding(rollout_mesh, assembly.rows_per_step(config))
         kw = dict(sketch=optimizer.sketch, train_others=optimizer.train_others)
         # One sender per receiver: factors and sparse messages are deltas numbered per sender.
         senders = {name: sync.SyncSender(mode, params, **kw) for name, (mode, _) in receivers.items()}

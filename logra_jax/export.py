@@ -20,7 +20,7 @@ import numpy as np
 from logra_jax import checkpoint as checkpoint_lib
 from logra_jax.models.hf_export import write_hf_folder
 from logra_jax.optim.lora import LORA_KEY, merge_adapters
-from logra_jax.rl import build
+from logra_jax.rl import build, optimizers
 from logra_jax.rl.policy import Policy
 from logra_jax.tree_paths import leaves_with_paths
 
@@ -45,7 +45,7 @@ def restore_policy(workdir: str | pathlib.Path, params, *, step: int | None = No
     base plus ``params["lora"]``, restored with that layout and folded into the base
     (W + s·Aᵀ·Bᵀ, `merge_adapters`), so every run reads back as the same model."""
     workdir = pathlib.Path(workdir)
-    optimizer = read_run_config(workdir).optimizer
+    adapters = optimizers.adapters_of(read_run_config(workdir).optimizer)
     if not (workdir / "checkpoints").is_dir():
         raise FileNotFoundError(f"{workdir} has no checkpoints folder")
     ckpt = checkpoint_lib.Checkpointer(workdir / "checkpoints")
@@ -57,11 +57,11 @@ def restore_policy(workdir: str | pathlib.Path, params, *, step: int | None = No
         if step not in steps:
             raise ValueError(f"{workdir} has no checkpoint of step {step}; it has {sorted(steps)}")
         base = {k: v for k, v in params.items() if k != LORA_KEY}
-        restored = ckpt.restore_params(step, build.with_adapters(optimizer, base))
+        restored = ckpt.restore_params(step, base if adapters is None else adapters.added_to(base))
     finally:
         ckpt.close()
     if LORA_KEY in restored:
-        restored = merge_adapters(restored, build.lora_scale(optimizer))
+        restored = merge_adapters(restored, adapters.scale)
     return step, restored
 
 

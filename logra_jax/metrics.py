@@ -15,6 +15,8 @@ from typing import Mapping
 
 import numpy as np
 
+from logra_jax.extras import require
+
 
 def to_python(metrics: Mapping[str, object]) -> dict[str, float | int | str]:
     """Scalars (numpy/jax) to plain Python numbers; non-finite floats stay as they are (JSON NaN)."""
@@ -98,6 +100,8 @@ class MetricsWriter:
         self.rows: list[dict] = []   # this run's rows, for its closing summary
         if not files:
             return
+        if tensorboard:   # before the file is touched: a missing writer changes nothing
+            writer = require("tensorboardX", "tensorboardX", "log.tensorboard=True").SummaryWriter
         self._lines = not progress
         self.workdir.mkdir(parents=True, exist_ok=True)
         if self.path.exists():
@@ -112,8 +116,7 @@ class MetricsWriter:
                 os.replace(tmp, self.path)
         self._file = open(self.path, "a", encoding="utf-8")
         if tensorboard:
-            from tensorboardX import SummaryWriter  # heavy import, only when asked for
-            self._tb = SummaryWriter(str(self.workdir / "tensorboard"))
+            self._tb = writer(str(self.workdir / "tensorboard"))
         if progress:
             from tqdm import tqdm
             self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)

@@ -157,7 +157,7 @@ def param_shardings(model_or_state, mesh: Mesh, rules: Rules | None = None, *,
         axes = get_logical_axes(variable)
         if axes is None:
             return NamedSharding(mesh, PartitionSpec())
-        shape = variable[...].shape
+        shape = variable.get_value().shape   # an array or a ShapeDtypeStruct (a plan)
         if len(axes) != len(shape):
             if not isinstance(variable, nnx.Param):
                 # Optimizer state inherits its parameter's metadata but may drop dims (e.g. a per-row

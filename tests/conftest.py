@@ -56,7 +56,7 @@ import pytest  # noqa: E402
 LONGEST_FIRST = ("test_trainer_sync.py", "test_multihost.py", "test_sync.py", "test_tpu_compile.py",
                  "test_gpu_compile.py",
                  "test_tpu_casts.py", "test_baselines.py", "test_preemption.py", "test_bad_input.py", "test_trainer.py",
-                 "test_sampler.py", "test_memory.py", "test_nnx_sketch.py", "test_workdir.py")
+                 "test_sampler.py", "test_memory.py", "test_assembly.py", "test_nnx_sketch.py", "test_workdir.py")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -82,22 +82,23 @@ def gsm8k_dir() -> pathlib.Path:
 
 
 @pytest.fixture(scope="session")
-def shipped_tiny_trainer():
-    """A Trainer of configs/tiny.py as shipped (compiled once for the modules that run it)."""
+def shipped_tiny_parts():
+    """The parts of a run of configs/tiny.py as shipped (compiled once for the modules that run
+    them)."""
     from configs import tiny
-    from logra_jax.rl import trainer as trainer_lib
-    return trainer_lib.Trainer(tiny.get_config())
+    from logra_jax.rl import assembly
+    return assembly.build_run(tiny.get_config())
 
 
 @pytest.fixture(scope="session")
-def trained_tiny_run(shipped_tiny_trainer, tmp_path_factory):
+def trained_tiny_run(shipped_tiny_parts, tmp_path_factory):
     """configs/tiny.py trained 2 steps (weights moved, checkpoint 2 written; every=2), as the
     finished Run; tests read its workdir (``run.workdir``) and copy it before changing anything."""
     from configs import tiny
     from logra_jax.rl import trainer as trainer_lib
     config = tiny.get_config()
     config.max_steps = 2
-    run = trainer_lib.Run(config, tmp_path_factory.mktemp("trained"), trainer=shipped_tiny_trainer)
+    run = trainer_lib.Run(config, tmp_path_factory.mktemp("trained"), parts=shipped_tiny_parts)
     run.loop()
     run.close()
     assert (run.workdir / "checkpoints" / "2").is_dir()

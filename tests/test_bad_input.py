@@ -21,7 +21,7 @@ from configs import base, tiny
 from launch import cli
 from launch import train as train_cli
 from logra_jax import config as config_lib
-from logra_jax.rl import build
+from logra_jax.rl import algorithms, build, optimizers
 from tiny_config import tiny_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -99,7 +99,9 @@ ROWS = [
     ("weight-growth", dict(optimizer=dict(max_weight_norm_growth=1.0)),
      "optimizer.max_weight_norm_growth must be a number > 1"),
     ("rank", dict(optimizer=dict(logra=dict(rank=0))), "optimizer.logra.rank must be a positive integer, got 0"),
-    ("variant", dict(optimizer=dict(logra=dict(variant="adam"))), "optimizer.logra.variant must be one of 'grpo', 'kl', got 'adam'"),
+    ("variant", dict(optimizer=dict(logra=dict(variant="adam"))), "optimizer.logra.variant must be one of 'learning_rate', 'kl'"),
+    ("variant-old-name", dict(optimizer=dict(logra=dict(variant="grpo"))),
+     "('grpo' is now 'learning_rate': the variant is named by its step, rl.algorithm by its objective), got 'grpo'"),
     ("kl-budget", dict(optimizer=dict(logra=dict(kl_control=True, kl_budget=0.0))),
      "optimizer.logra.kl_budget must be a finite number > 0, got 0.0"),
     ("targets-not-a-regex", dict(optimizer=dict(lora=dict(targets="(q_proj"))),
@@ -271,7 +273,7 @@ def test_every_key_of_the_base_config_has_a_rule():
     keys = config_lib.flatten(base.get_config().to_dict())
     missing = [k for k in keys if k not in config_lib.VALUE_RULES
                and not k.startswith(config_lib.CHECKED_ELSEWHERE)]
-    assert not missing, f"configs/base.py keys without a rule in logra_jax/config.py: {missing}"
+    assert not missing, f"configs/base.py keys without a rule in logra_jax/config/values.py: {missing}"
     assert not set(config_lib.VALUE_RULES) - set(keys), "rules for keys configs/base.py lacks"
     for path in sorted((ROOT / "configs").glob("*.py")):   # every shipped config passes them
         if path.name != "__init__.py":
@@ -294,7 +296,7 @@ def test_a_key_the_base_config_lacks_is_refused_by_every_path():
 
 
 def test_the_rules_choices_are_the_librarys():
-    """logra_jax/config.py sits below the library and spells its choices out; they must agree."""
+    """logra_jax/config/values.py sits below the library and spells its choices out; they must agree."""
     from logra_jax.models.config import DTYPES
     from logra_jax.optim.galore import PROJECTORS
     from logra_jax.optim.rounding import ROUNDINGS
@@ -305,7 +307,9 @@ def test_the_rules_choices_are_the_librarys():
     assert config_lib.LOSS_AGG_MODES == losses.LOSS_AGG_MODES
     assert config_lib.ADVANTAGE_BASELINES == losses.ADVANTAGE_BASELINES
     assert config_lib.DECODE_WEIGHTS == Sampler.DECODE_WEIGHTS
-    assert config_lib.OPTIMIZERS == build.OPTIMIZERS
+    assert config_lib.OPTIMIZERS == optimizers.names()
+    assert config_lib.ALGORITHMS == algorithms.names()
+    assert config_lib.ALGORITHM_OPTIONS == {a.name: a.options for a in algorithms.ALGORITHMS.values()}
     assert config_lib.SYNC_MODES == ("off",) + sync.MODES
     assert set(config_lib.MODEL_DTYPES) == set(DTYPES)
     assert config_lib.DISTRIBUTIONS == DISTRIBUTIONS

@@ -13,6 +13,7 @@ from optax.contrib import GaLoreState, galore
 from logra_jax import metrics
 from logra_jax.optim.baselines import galore_baseline, over_layers
 from logra_jax.optim.galore import fresh_projector, galore as our_galore
+from logra_jax.rl import assembly
 from logra_jax.rl import trainer as trainer_lib
 from logra_jax.tree_paths import leaves_with_paths
 from tiny_config import tiny_config
@@ -130,18 +131,18 @@ def _baseline_config(name):
 
 @pytest.fixture(scope="module")
 def straight_runs(tmp_path_factory):
-    """name → (its Trainer, its run trained 2 steps straight, checkpoints 1 and 2), built once per
+    """name → (its RunParts, its run trained 2 steps straight, checkpoints 1 and 2), built once per
     module: the LoRA export test reads the resume test's run instead of training its own."""
     runs = {}
 
     def get(name):
         if name not in runs:
-            trainer = trainer_lib.Trainer(_baseline_config(name))
+            parts = assembly.build_run(_baseline_config(name))
             straight = trainer_lib.Run(_baseline_config(name), tmp_path_factory.mktemp(name),
-                                       trainer=trainer)
+                                       parts=parts)
             straight.loop()
             straight.close()
-            runs[name] = trainer, straight
+            runs[name] = parts, straight
         return runs[name]
     return get
 
@@ -152,8 +153,8 @@ def test_trains_checkpoints_and_resumes_bit_exactly(name, straight_runs, tmp_pat
     moves (LoRA: every adapter, and no base weight); stopping after step 1 and resuming ends on the straight run's weights and
     optimizer state, bit for bit."""
     config = _baseline_config(name)
-    trainer, straight = straight_runs(name)
-    initial, end = _flat(trainer.initial_params), _flat(straight.params)
+    parts, straight = straight_runs(name)
+    initial, end = _flat(parts.initial_params), _flat(straight.params)
     unchanged = [p for p in end if np.array_equal(end[p], initial[p])]
     if name == "lora":
         assert sorted(unchanged) == sorted(p for p in end if not p.startswith("lora/")), unchanged
@@ -163,7 +164,7 @@ def test_trains_checkpoints_and_resumes_bit_exactly(name, straight_runs, tmp_pat
 
     for steps in (1, 2):
         config.max_steps = steps
-        resumed = trainer_lib.Run(config, tmp_path / "resumed", trainer=trainer)
+        resumed = trainer_lib.Run(config, tmp_path / "resumed", parts=parts)
         resumed.loop()
         resumed.close()
         if steps == 1 and name == "galore":
@@ -187,15 +188,15 @@ def test_a_lora_run_exports_with_its_adapters_merged(straight_runs, tmp_path):
     transformers = pytest.importorskip("transformers")
     from logra_jax.export import export_run, restore_policy
 
-    trainer, run = straight_runs("lora")
+    parts, run = straight_runs("lora")
     out, _ = export_run(run.workdir, tmp_path / "hf")
     step, merged = restore_policy(run.workdir, run.params)
     assert step == 2 and "lora" not in merged        # the base model's layout, adapters folded in
     reference = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     tokens = np.random.default_rng(0).integers(0, 1000, (2, 10)).astype(np.int32)
-    seqs_logits = jax.jit(lambda p, t: trainer.policy.bind(p)(t, probes=trainer.policy.probes(p)))
+    seqs_logits = jax.jit(lambda p, t: parts.policy.bind(p)(t, probes=parts.policy.probes(p)))
     ours = np.asarray(seqs_logits(run.params, tokens))
-    base = np.asarray(seqs_logits(trainer.initial_params, tokens))
+    base = np.asarray(seqs_logits(parts.initial_params, tokens))
     assert np.abs(ours - base).max() > 1e-4          # the adapters moved the model
     with torch.no_grad():
         theirs = reference(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
@@ -220,7 +221,7 @@ def test_lora_syncs_its_adapters_only(tmp_path, mode):
         assert sent == [adapter_bytes] * 2
     else:   # int32 index + bf16 value per changed adapter entry, padded to a bucket
         assert len(sent) == 2 and all(0 < b for b in sent)
-    engine, initial = _flat(run.engine.params), _flat(run.trainer.initial_params)
+    engine, initial = _flat(run.engine.params), _flat(run.parts.initial_params)
     assert engine.keys() == trained.keys()
     for path, value in engine.items():
         np.testing.assert_array_equal(value, trained[path].astype(jnp.bfloat16), err_msg=path)

@@ -5,6 +5,7 @@ process's."""
 
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -13,8 +14,12 @@ import pytest
 from process_env import without_device_count
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-COMMANDS = ("train", "evaluate", "export", "gpu_bundle", "gpu_check", "memory", "memory_table",
-            "report", "rl_step_time", "sampler_bench", "step_time", "sync_bench")
+# Every ``python -m launch.<name>``: the modules of launch/ that run as a program.
+COMMANDS = tuple(sorted(p.stem for p in (ROOT / "launch").glob("*.py")
+                        if 'if __name__ == "__main__":' in p.read_text()))
+# The commands that read a config file (``--config``: launch/cli.py's flag, or any other).
+WITH_CONFIG = tuple(c for c in COMMANDS if re.search(r"define_config\(|DEFINE_config",
+                                                     (ROOT / "launch" / f"{c}.py").read_text()))
 
 # Imports ``launch`` and the named modules with os.dup2 watched; prints what changed.
 IMPORT_AND_COMPARE = """
@@ -37,6 +42,37 @@ def test_importing_a_command_changes_no_environment_variable_and_no_file_descrip
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == "[] [] False", (done.stdout, done.stderr[-2000:])
+
+
+def test_every_command_is_found():
+    """The lists above are read from launch/: a command that stops being found would go unchecked."""
+    assert {"train", "cost", "memory", "step_time", "gpu_check_versions"} <= set(COMMANDS)
+    assert {"train", "cost", "memory", "step_time"} <= set(WITH_CONFIG)
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_a_bad_flag_is_one_error_line(command):
+    """absl parses every command's line (`launch.cli.run`): a flag it does not define is one line
+    and status 1, before the command imports anything heavy (a fraction of a second)."""
+    done = subprocess.run([sys.executable, "-m", f"launch.{command}", "--no_such_flag=1"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout, done.stderr) == (
+        1, "", "error: Unknown command line flag 'no_such_flag'\n"), done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("command", WITH_CONFIG)
+def test_a_config_file_typo_is_one_error_line_in_every_command(command, tmp_path):
+    """A key configs/base.py lacks, set inside a config file, is refused by whichever command reads
+    it: one line naming the file, the line and the nearest key."""
+    typo = tmp_path / "typo.py"
+    typo.write_text("from configs import tiny\n\n\ndef get_config():\n    c = tiny.get_config()\n"
+                    "    c.rl.num_generation = 4\n    return c\n")
+    done = subprocess.run([sys.executable, "-m", f"launch.{command}", "--config", str(typo)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout) == (1, ""), done.stderr[-3000:]
+    assert done.stderr.splitlines() == [
+        f"error: config file {typo}:6: rl.num_generation is not a key of configs/base.py "
+        f"(nearest: rl.num_generations)"], done.stderr[-3000:]
 
 
 def test_setup_gives_the_device_count_and_the_pool_and_must_come_before_jax():

@@ -14,19 +14,19 @@ transformers = pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")
-def trained(trained_tiny_run, shipped_tiny_trainer):
-    return trained_tiny_run.workdir, trained_tiny_run, shipped_tiny_trainer
+def trained(trained_tiny_run, shipped_tiny_parts):
+    return trained_tiny_run.workdir, trained_tiny_run, shipped_tiny_parts
 
 
 def test_an_exported_run_gives_transformers_our_logits(trained, tmp_path):
-    workdir, run, trainer = trained
+    workdir, run, parts = trained
     out, step = export_run(workdir, tmp_path / "hf")
     assert step == 2 and {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
                           "generation_config.json"} <= {p.name for p in out.iterdir()}
     reference = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
-    tokens = np.random.default_rng(0).integers(0, trainer.tokenizer.vocab_size, (2, 12)).astype(np.int32)
-    ours = np.asarray(jax.jit(lambda p, t: trainer.policy.bind(p)(t))(run.params, tokens))
-    initial = np.asarray(jax.jit(lambda p, t: trainer.policy.bind(p)(t))(trainer.initial_params, tokens))
+    tokens = np.random.default_rng(0).integers(0, parts.tokenizer.vocab_size, (2, 12)).astype(np.int32)
+    ours = np.asarray(jax.jit(lambda p, t: parts.policy.bind(p)(t))(run.params, tokens))
+    initial = np.asarray(jax.jit(lambda p, t: parts.policy.bind(p)(t))(parts.initial_params, tokens))
     assert np.abs(ours - initial).max() > 1e-3     # the export holds the trained weights, not the start
     with torch.no_grad():
         theirs = reference(torch.tensor(tokens, dtype=torch.long)).logits.numpy()

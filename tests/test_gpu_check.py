@@ -71,6 +71,18 @@ def test_gpu_check_without_a_gpu_refuses_unless_allowed(tmp_path):
     assert done.stderr.strip().splitlines()[-1].startswith("error: jax sees no CUDA device")
 
 
+def test_the_plan_target_is_the_gpu_node_the_device_kind_names():
+    """The deviceless plan's target for the GPU the check runs on, from the machine table: each
+    GPU node's own device name (as XLA's target config records what CUDA reported) picks that
+    node; a GPU the table lacks picks none (the check then plans for h200-8)."""
+    from logra_jax.perf import machines
+    nodes = [m for m in machines.MACHINES.values() if m.kind == "gpu"]
+    assert {m.name for m in nodes} == {"a100-80gb-8", "h100-8", "h200-8", "b200-8"}
+    for node in nodes:
+        assert machines.gpu_node_for(node.device_name) is node, node.device_name
+    assert machines.gpu_node_for("NVIDIA L4") is None
+
+
 def test_xla_needs_reads_the_figure_xla_states():
     """The H200's words for the 7B AdamW update (docs/results/gpu.md): the rematerialization
     pass's whole-program figure wins over one allocation's."""
@@ -210,8 +222,11 @@ def test_gpu_bundle_holds_the_tree_and_the_tokenizer_header_within_64_mib(tmp_pa
     assert bundle.stat().st_size <= 64 * 2**20
     with tarfile.open(bundle) as tar:
         names = set(tar.getnames())
-        assert {"logra_jax/launch/gpu_check.py", "logra_jax/Makefile", "logra_jax/pyproject.toml",
-                "logra_jax/bundle/smollm2_header.gguf", "logra_jax/bundle/README.md"} <= names
+        assert {"logra_jax/launch/gpu_check.py", "logra_jax/launch/gpu_check_versions.py",
+                "logra_jax/launch/gpu_check_page.py", "logra_jax/logra_jax/perf/machines.py",
+                "logra_jax/logra_jax/perf/gpu_specs/h200.txtpb", "logra_jax/Makefile",
+                "logra_jax/pyproject.toml", "logra_jax/bundle/smollm2_header.gguf",
+                "logra_jax/bundle/README.md"} <= names
         assert not any("/.venv/" in n or "/runs/" in n for n in names)
         tar.extract("logra_jax/bundle/smollm2_header.gguf", tmp_path, filter="data")
     header = tmp_path / "logra_jax" / "bundle" / "smollm2_header.gguf"

@@ -20,12 +20,12 @@ from pathlib import Path
 import jax
 import pytest
 
-from logra_jax.perf import gpu, targets
+from logra_jax.perf import machines
 from sketch_lowering import lowered_sketch_backward
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(
-    gpu.plugin_version() is None and os.environ.get("CI") != "true",
+    machines.plugin_version() is None and os.environ.get("CI") != "true",
     reason="the CUDA plugin (the 'gpu-plan' extra) is not installed: no XLA:GPU")
 TARGET = "h100-8"
 
@@ -49,7 +49,7 @@ def tiny_on_gpus(tmp_path_factory):
     deep, 2048 wide with an 8192-wide MLP (39 B parameters, no arrays): LoGRA fits an H100's
     allocator limit (about 31 GiB), AdamW's fp32 weights, moments and gradients (16 bytes a
     parameter, 72 GiB per GPU before activations; about 112 GiB in all) do not (at 512 layers
-    AdamW's 75.0 GiB fitted the 75.2 allowed). Deep rather than wide: the layers are one scanned body,
+    AdamW would just fit: 75.0 of 75.2 GiB). Deep rather than wide: the layers are one scanned body,
     compiled once. XLA's dump of each optimized update is kept (``<tmp>/hlo``) for the cast test."""
     folder = tmp_path_factory.mktemp("gpu")
     env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={folder / 'hlo'} "
@@ -64,13 +64,13 @@ def test_tiny_update_and_sampler_compile_for_a_gpu_node(tiny_on_gpus):
     result, plan, _ = tiny_on_gpus
     assert result.returncode == 0, result.stderr[-3000:]
     header = next(line for line in result.stdout.splitlines() if line.startswith("compiler:"))
-    assert header.startswith(f"compiler: XLA:GPU deviceless, jax-cuda12-plugin {gpu.plugin_version()} "
+    assert header.startswith(f"compiler: XLA:GPU deviceless, jax-cuda12-plugin {machines.plugin_version()} "
                              f"(jax {jax.__version__}")
     assert "without autotuning" in header and "topology 1x1x8" in header
     assert "'NVIDIA H100 80GB HBM3'" in header   # the devices are the node's, not simulated CPUs
     assert plan["target"] == TARGET and plan["mesh"] == {"fsdp": 8, "tensor": 1}
     assert plan["unit"] == "GPU" and plan["compiler"].startswith("XLA:GPU")
-    assert plan["memory_per_device"] == targets.target(TARGET).memory_per_device
+    assert plan["memory_per_device"] == machines.machine(TARGET).memory_per_device
     step, rollout = plan["steps"][0], plan["rollouts"][0]
     assert step["arguments"] > 0 and step["temporaries"] > 0 and step["flops"] > 0
     # The rollout phase is the compiled generate: weights among its arguments, a KV cache and
@@ -91,7 +91,7 @@ def test_a_column_over_the_gpus_memory_does_not_fit(tiny_on_gpus):
     drawn from the plan: one "does not fit" line with the need and the allocator's limit, the
     LoGRA column's table intact, and the run's own column (LoGRA, which fits) decides the exit."""
     result, plan, _ = tiny_on_gpus
-    limit = targets.target(TARGET).memory_per_device
+    limit = machines.machine(TARGET).memory_per_device
     assert plan["refused"] == {}   # XLA:GPU refuses nothing
     adamw = plan["footprint"]["adamw"]["total"]
     assert adamw > limit > plan["footprint"]["logra"]["total"]
@@ -108,11 +108,11 @@ def test_the_allocator_fraction_is_the_budget(tmp_path, monkeypatch):
     """The memory a GPU program may use is XLA_PYTHON_CLIENT_MEM_FRACTION of the device's, as on
     the GPU; and XLA:GPU schedules within it: the target config handed to the compiler says
     device_memory_size = limit / 0.8, since XLA takes 80 % of it without a runtime."""
-    node = targets.target("h200-8")
+    node = machines.machine("h200-8")
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
-    assert node.memory_per_device == node.gpu.memory // 2
-    size = int(re.search(r"device_memory_size: (\d+)", node.config_text()).group(1))
-    assert abs(size * gpu.SCHEDULER_SHARE - node.memory_per_device) < 2
+    assert node.memory_per_device == node.memory // 2
+    size = int(re.search(r"device_memory_size: (\d+)", machines.gpu_target_config(node)).group(1))
+    assert abs(size * machines.SCHEDULER_SHARE - node.memory_per_device) < 2
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "lots")
     with pytest.raises(ValueError, match="XLA_PYTHON_CLIENT_MEM_FRACTION"):
         node.memory_per_device
@@ -124,13 +124,14 @@ def test_the_node_splits_the_weights_over_its_gpus(tiny_on_gpus):
     from configs import tiny
     from logra_jax import model_shapes
     from logra_jax.perf import memory
+    from logra_jax.rl import assembly
     from logra_jax.rl.build import build_mesh
     _, plan, _ = tiny_on_gpus
     config = tiny.get_config()
     config.model.tiny.update(num_layers=768, hidden_size=2048, intermediate_size=8192)
-    model = memory.abstract_model(model_shapes.model_config_from(config.model))
-    whole = memory.device_bytes(memory.abstract_params(model, build_mesh({"fsdp": 1, "tensor": 1},
-                                                                        jax.devices("cpu")[:1])))
+    model = assembly.abstract_model(model_shapes.model_config_from(config.model))
+    whole = memory.device_bytes(assembly.abstract_params(model, build_mesh({"fsdp": 1, "tensor": 1},
+                                                                          jax.devices("cpu")[:1])))
     step = plan["steps"][0]
     assert step["params"] <= whole / 8 * 1.01
     assert whole / 8 <= step["arguments"] < whole / 4
@@ -145,7 +146,7 @@ def test_the_xla_cpu_barriers_stay_out_of_gpu_programs(monkeypatch):
     def barriers(devices):
         return lowered_sketch_backward(devices).as_text().count("optimization_barrier")
 
-    gpus = targets.target(TARGET).jax_devices()
+    gpus = machines.machine(TARGET).jax_devices()
     assert barriers(jax.devices("cpu")) > 0
     assert barriers(gpus) == 0
     monkeypatch.setattr(linear, "cpu_layout", jax.lax.optimization_barrier)
@@ -205,7 +206,7 @@ def test_every_shipped_config_lowers_for_a_gpu_node(name, monkeypatch):
         full = shape(cfg)
         return dataclasses.replace(full, num_layers=1, layer_types=full.layer_types and full.layer_types[:1])
     monkeypatch.setattr(model_shapes, "model_config_from", one_layer)
-    mesh = build_mesh({"fsdp": 8, "tensor": 1}, targets.target(TARGET).jax_devices())
+    mesh = build_mesh({"fsdp": 8, "tensor": 1}, machines.machine(TARGET).jax_devices())
     text = memory.lower_update(config, mesh, micro_steps=1).lowered.as_text()
     assert "callback" not in text
 
@@ -229,6 +230,6 @@ def test_the_unattended_table_judges_a_gpu_cell(tiny_on_gpus, tmp_path):
 
 
 def test_without_the_plugin_a_gpu_target_names_the_extra(monkeypatch):
-    monkeypatch.setattr(gpu, "plugin_version", lambda: None)
+    monkeypatch.setattr(machines, "plugin_version", lambda: None)
     with pytest.raises(ValueError, match=r"XLA:GPU, which comes with the CUDA plugin: pip install -e '\.\[gpu-plan\]'"):
-        targets.target(TARGET).jax_devices()
+        machines.machine(TARGET).jax_devices()

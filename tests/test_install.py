@@ -219,3 +219,105 @@ def test_a_run_imports_only_its_own_data_source(source, refused, used, tmp_path)
     done = _run_refusing([refused], code + _REPORT)
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout.splitlines()[-1]) == [used]   # the source it reads, alone
+
+
+# The RL loop's own packages (the rl extra): distribution name → the module a command imports.
+RL_EXTRA = {"reasoning-gym": "reasoning_gym", "tensorboardx": "tensorboardX", "matplotlib": "matplotlib"}
+_REPORT_RL = f"""
+import json
+print(json.dumps(sorted(m for m in {sorted(RL_EXTRA.values())!r} if m in sys.modules)))
+"""
+
+
+def test_the_base_install_holds_none_of_the_rl_loops_packages():
+    """`pip install .` (an optax user's install) brings no reasoning-gym (whose pycosat has no
+    wheel for every Python), matplotlib or tensorboardX; the rl extra does, and `make train` and
+    `make test` (CI's command) install it."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    base = {Requirement(line).name.lower() for line in project["dependencies"]}
+    assert not base & set(RL_EXTRA), base & set(RL_EXTRA)
+    rl = {Requirement(line).name.lower() for line in project["optional-dependencies"]["rl"]}
+    assert rl == set(RL_EXTRA)
+    makefile = (ROOT / "Makefile").read_text()
+    train_install = makefile.split("$(VENV)/.installed:")[1].split("\n\n")[0]
+    test_install = makefile.split("$(VENV)/.installed-test:")[1].split("\n\n")[0]
+    assert "pip install -q -e '.[rl]'" in train_install
+    assert "pip install -q -e '.[rl,test]'" in test_install
+
+
+def test_the_optax_api_the_sketch_the_models_and_the_planner_import_without_the_rl_extra():
+    """With the rl extra's packages unimportable, the optax transforms, the NNX sketch, the models
+    and the memory planner import, and none of those packages is loaded."""
+    code = textwrap.dedent("""
+        import logra_jax.optim, logra_jax.nnx_sketch, logra_jax.models, logra_jax.perf.memory
+        from logra_jax.optim import logra
+        from logra_jax.nnx_sketch import prepare
+        """)
+    done = _run_refusing(list(RL_EXTRA.values()), code + _REPORT_RL)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.splitlines()[-1]) == []
+
+
+def _last_line(done) -> str:
+    lines = done.stderr.strip().splitlines()
+    return lines[-1] if lines else ""
+
+
+def test_a_task_run_without_reasoning_gym_is_one_error_line_naming_the_extra(tmp_path):
+    """launch.train of configs/tiny.py (reasoning-gym's chain_sum prompts) where reasoning_gym does
+    not import: one `error:` line naming the extra, before the model is built."""
+    code = textwrap.dedent(f"""
+        import runpy
+        sys.argv = ["train", "--config", "configs/tiny.py", "--workdir", {str(tmp_path / "run")!r}]
+        runpy.run_module("launch.train", run_name="__main__", alter_sys=True)
+        """)
+    done = _run_refusing([TASKS], code)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    last = _last_line(done)
+    assert last.startswith("error: data.source='task' (reasoning-gym's tasks) needs reasoning-gym"), last
+    assert last.endswith("it comes with the rl extra: pip install -e '.[rl]'"), last
+
+
+def test_launch_report_without_matplotlib_is_one_error_line_and_writes_nothing(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward": 0.5}) + "\n")
+    out = tmp_path / "plots"
+    code = textwrap.dedent(f"""
+        import runpy
+        sys.argv = ["report", "--out", {str(out)!r}, "--run", "a={run}"]
+        runpy.run_module("launch.report", run_name="__main__", alter_sys=True)
+        """)
+    done = _run_refusing(["matplotlib"], code)
+    assert done.returncode == 1, done.stderr[-3000:]
+    last = _last_line(done)
+    assert last.startswith("error: launch.report needs matplotlib, which does not import here"), last
+    assert last.endswith("it comes with the rl extra: pip install -e '.[rl]'"), last
+    assert not out.exists()
+
+
+def test_the_tensorboard_writer_without_tensorboardx_names_the_extra_and_keeps_the_metrics(tmp_path):
+    """MetricsWriter with log.tensorboard=True where tensorboardX does not import: a ValueError
+    naming the extra (launch.train's one error line), raised before metrics.jsonl is touched (a
+    resumed run's rows past its step stay); without TensorBoard the writer works."""
+    rows = "".join(json.dumps({"step": s, "reward": 0.1 * s}) + "\n" for s in (1, 2, 3))
+    (tmp_path / "metrics.jsonl").write_text(rows)
+    code = textwrap.dedent(f"""
+        from logra_jax.metrics import MetricsWriter
+        try:
+            MetricsWriter({str(tmp_path)!r}, total_steps=3, start_step=1, tensorboard=True,
+                          progress=False)
+        except ValueError as e:
+            print("refused:", e)
+        writer = MetricsWriter({str(tmp_path)!r}, total_steps=3, start_step=3, tensorboard=False,
+                               progress=False)
+        writer.close()
+        """)
+    done = _run_refusing(["tensorboardX"], code + _REPORT_RL)
+    assert done.returncode == 0, done.stderr[-3000:]
+    refused = next(line for line in done.stdout.splitlines() if line.startswith("refused:"))
+    assert refused.startswith("refused: log.tensorboard=True needs tensorboardX"), refused
+    assert refused.endswith("it comes with the rl extra: pip install -e '.[rl]'"), refused
+    assert (tmp_path / "metrics.jsonl").read_text() == rows
+    assert json.loads(done.stdout.splitlines()[-1]) == []

@@ -12,7 +12,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Layer of each part of logra_jax, lowest first. A module may import its own part and any lower
 # layer. Top-level modules not listed sit with the loop (rl).
 LAYERS = [
-    {"tree_paths", "projections", "config", "metrics", "distributed", "host_arrays", "checkpoint"},
+    {"tree_paths", "projections", "config", "metrics", "distributed", "host_arrays", "checkpoint",
+     "extras"},
     {"sharding"},
     {"optim", "models", "data"},
     {"model_shapes", "nnx_sketch"},

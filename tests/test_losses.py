@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 
 from logra_jax.rl import losses
+from logra_jax.rl.algorithms.grpo import GroupAdvantages
+from logra_jax.rl.algorithms.reinforce import RunningBaselineAdvantages
 
 B, T, G = 6, 5, 3  # 2 prompts × 3 generations, 5 completion tokens
 
@@ -231,10 +233,10 @@ def test_update_baseline_is_an_ema_of_batch_means():
 
 def test_advantages_of_both_algorithms():
     r = np.array([1.0, 0.0, 0.0, 0.0], np.float32)
-    adv, baseline = losses.Advantages("reinforce", 1, baseline_momentum=0.9)(r, 0.5)
+    adv, baseline = RunningBaselineAdvantages(momentum=0.9)(r, 0.5)
     np.testing.assert_allclose(adv, r - 0.5)                        # the baseline before its update
     np.testing.assert_allclose(baseline, 0.9 * 0.5 + 0.1 * r.mean(), rtol=1e-6)
-    adv, baseline = losses.Advantages("grpo", 2, scale_by_std=False)(r, 0.5)
+    adv, baseline = GroupAdvantages(2, scale_by_std=False)(r, 0.5)
     np.testing.assert_allclose(adv, [0.5, -0.5, 0.0, 0.0])          # centred within each group
     assert baseline == 0.5                                          # GRPO keeps no baseline
 
@@ -250,7 +252,7 @@ def test_leave_one_out_baseline_and_std_as_the_reference():
     unscaled = losses.group_advantages(jnp.asarray([1.0, 0.0, 0.0, 0.5]), 4, scale_by_std=False,
                                        baseline="leave_one_out")
     np.testing.assert_allclose(unscaled, [1 - 0.5 / 3, -1.5 / 3, -1.5 / 3, 0.5 - 1 / 3], rtol=1e-6)
-    adv, _ = losses.Advantages("grpo", 4, group_baseline="leave_one_out")(
+    adv, _ = GroupAdvantages(4, baseline="leave_one_out")(
         np.array([1.0, 0.0, 0.0, 1.0], np.float32), 0.0)
     np.testing.assert_allclose(adv, got[:4], rtol=1e-6)
     with pytest.raises(ValueError, match="baseline"):
@@ -273,7 +275,7 @@ def test_nonfinite_rewards_are_masked_from_the_running_baseline():
     np.testing.assert_allclose(losses.update_baseline(0.5, jnp.asarray([1.0, np.nan, 0.0])), 0.5,
                                rtol=1e-6)
     np.testing.assert_allclose(losses.update_baseline(0.25, jnp.asarray([np.nan, np.nan])), 0.25)
-    adv, baseline = losses.Advantages("reinforce", 1)(np.array([1.0, np.nan], np.float32), 0.5)
+    adv, baseline = RunningBaselineAdvantages()(np.array([1.0, np.nan], np.float32), 0.5)
     np.testing.assert_allclose(adv, [0.5, 0.0])
     np.testing.assert_allclose(baseline, 0.9 * 0.5 + 0.1 * 1.0, rtol=1e-6)
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from logra_jax.perf import matmul_count, tpu
+from logra_jax.perf import machines, matmul_count
 
 N = 64
 ONE_PRODUCT = 2 * N ** 3   # (N × N)·(N × N)
@@ -19,14 +19,14 @@ ONE_PRODUCT = 2 * N ** 3   # (N × N)·(N × N)
 
 @pytest.fixture(params=["cpu", "tpu"])
 def platform(request):
-    if request.param == "tpu" and tpu.libtpu_version() is None:
+    if request.param == "tpu" and machines.libtpu_version() is None:
         pytest.skip("libtpu (the 'tpu' extra) is not installed: no TPU compiler")
     return request.param
 
 
 def _compiled(fn, *args, platform="cpu"):
     if platform == "tpu":
-        one_chip = NamedSharding(Mesh(np.array(tpu.devices(tpu.target("v5e-8"))[:1]), ("x",)), P())
+        one_chip = NamedSharding(Mesh(np.array(machines.machine("v5e-8").jax_devices()[:1]), ("x",)), P())
         args = [jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a), sharding=one_chip)
                 for a in args]
     return jax.jit(fn).lower(*args).compile()

@@ -23,7 +23,8 @@ from configs import tiny
 from logra_jax import model_shapes
 from logra_jax.perf import memory
 from logra_jax.tree_paths import leaves_with_paths
-from logra_jax.rl.build import build_mesh, build_optimizer
+from logra_jax.rl import assembly, optimizers
+from logra_jax.rl.build import build_mesh
 from logra_jax.sharding import opt_state_shardings, sketch_shardings
 from process_env import without_device_count
 
@@ -49,7 +50,7 @@ def report(tmp_path_factory):
     proc = subprocess.run(
         [sys.executable, "-m", "launch.memory", "--config", "configs/tiny.py", "--mesh",
          "fsdp=4,tensor=2", "--hosts", "2", "--compare", "adamw", "--micro_steps", "2", "--explain", "8",
-         "--json", str(out), "--config.rl.beta=0.04"],
+         "--json", str(out), "--config.rl.algorithm=grpo", "--config.rl.beta=0.04"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout, json.loads(out.read_text())
@@ -60,8 +61,8 @@ def shapes():
     """Abstract params of the tiny config on the same mesh, and the two optimizers."""
     config = tiny.get_config()
     mesh = build_mesh(MESH, jax.devices(), spare_devices=True)
-    model = memory.abstract_model(model_shapes.model_config_from(config.model))
-    params = memory.abstract_params(model, mesh)
+    model = assembly.abstract_model(model_shapes.model_config_from(config.model))
+    params = assembly.abstract_params(model, mesh)
     return config, model, params
 
 
@@ -114,7 +115,7 @@ def test_adamw_state_is_two_fp32_copies_of_the_params(report):
 
 def test_logra_state_is_row_moments_plus_adam_of_the_others(report, shapes):
     config, _, params = shapes
-    sketch = build_optimizer(config.optimizer).sketch
+    sketch = optimizers.build(config.optimizer).sketch
     moments = others = sketches = 0
     layouts = sketch_shardings(params, sketch)
     for path, x in leaves_with_paths(params):
@@ -138,7 +139,9 @@ def test_loop_bytes(report, shapes):
     config, model, params = shapes
     loop = report[1]["loop"]
     bf16 = sum(shard_bytes(x.shape, jnp.bfloat16, x.sharding.spec, MESH) for x in jax.tree.leaves(params))
-    assert loop["reference"] == bf16          # beta = 0.04 on the command line: a reference is kept
+    fp32 = sum(shard_bytes(x.shape, jnp.float32, x.sharding.spec, MESH) for x in jax.tree.leaves(params))
+    # GRPO with beta = 0.04 on the command line: a reference is kept, in the compute dtype (fp32).
+    assert loop["reference"] == fp32 and loop["reference_dtype"] == "float32"
     assert loop["sampler_weights"] == bf16 and loop["colocated"]
     c, rl = model.config, config.rl
     rows = config.data.prompts_per_step * rl.num_generations
@@ -162,7 +165,7 @@ def test_opt_state_and_sketch_shardings(shapes):
     config, _, params = shapes
     for name in ("adamw", "logra"):
         config.optimizer.name = name
-        tx, sketch, *_ = build_optimizer(config.optimizer)
+        tx, sketch, *_ = optimizers.build(config.optimizer)
         layout = dict(leaves_with_paths(opt_state_shardings(tx, params)))
         kernel = params["layers"]["self_attn"]["q_proj"]["kernel"]        # (L, embed, heads)
         assert kernel.sharding.spec == P(None, "fsdp", "tensor")
@@ -185,7 +188,7 @@ def test_opt_state_and_sketch_shardings(shapes):
     ("llama3_1_405b", 405e9),   # "405B"
 ])
 def test_shapes_match_published_sizes(name, published):
-    model = memory.abstract_model(model_shapes.shape_config(name))
+    model = assembly.abstract_model(model_shapes.shape_config(name))
     count = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     assert count == pytest.approx(published, rel=0.005)
 

@@ -205,7 +205,7 @@ def test_two_processes_train_stop_together_resume_and_match_one_process_with_eig
     # all-reduce over the 8 devices sums in another order through gloo than within one process,
     # and that rounding passes into every update (measured: the largest weight gap 9.5e-5 of the
     # largest weight move, which the clipped, normalised updates of this model make 8.8e-3).
-    t = one.trainer
+    t = one.parts
     initial = _flat(t.initial_params)
     saved = checkpoint_lib.Checkpointer(workdir / "checkpoints").restore_params(
         3, jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),

@@ -495,8 +495,9 @@ def test_an_optimizer_built_with_other_sketch_arguments_is_an_error():
 
 
 def test_a_mesh_with_explicit_axes_is_refused_at_prepare():
-    """jax.make_mesh's default axes are Explicit; the first gradient used to fail deep inside
-    (`with_sharding_constraint can only refer to Auto axes`)."""
+    """jax.make_mesh's default axes are Explicit, on which the probes' layout cannot be set: left
+    to the first gradient, it would fail deep inside (`with_sharding_constraint can only refer to
+    Auto axes`); `prepare` refuses it in one line."""
     model = _small_lm()
     mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)

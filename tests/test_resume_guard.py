@@ -4,7 +4,7 @@ from a checkpoint whose config matches.
 
 Each test copies the workdir of the session's 2-step tiny run (`trained_tiny_run`: seed 0,
 checkpoint 2) and runs `launch.train`'s `run` on it in this process; a refusal comes before the
-model is built, and a matching resume reuses the session's compiled Trainer.
+model is built, and a matching resume reuses the session's compiled RunParts.
 """
 
 import copy
@@ -67,12 +67,12 @@ def test_a_resume_with_another_optimizer_is_refused_before_the_model(copied, mon
     assert "optimizer.name 'logra' → 'adamw'" in line, line
 
 
-def test_config_json_is_rebuilt_from_a_matching_checkpoint(copied, shipped_tiny_trainer):
+def test_config_json_is_rebuilt_from_a_matching_checkpoint(copied, shipped_tiny_parts):
     """max_steps, log.* and the other keys a resume may change do not count; config.json comes
     back as the resuming config, with the decode program the checkpoint records for
     rl.decode_weights="auto"."""
     config = tiny_config(dict(max_steps=2, log=dict(sample_every=5)))
-    run = trainer_lib.Run(config, copied, trainer=shipped_tiny_trainer)
+    run = trainer_lib.Run(config, copied, parts=shipped_tiny_parts)
     try:
         assert run.loop() == {}                   # step 2 already reached: restored, nothing trained
     finally:
@@ -93,7 +93,7 @@ def _strip_fingerprint(workdir: pathlib.Path) -> None:
 
 
 def test_an_old_checkpoint_without_a_config_needs_its_config_json(copied, trained_tiny_run,
-                                                                  shipped_tiny_trainer):
+                                                                  shipped_tiny_parts):
     """Without the fingerprint and without config.json nothing can tell the config: refused.
     With config.json back, config.json's check decides, as before fingerprints."""
     _strip_fingerprint(copied)
@@ -101,7 +101,7 @@ def test_an_old_checkpoint_without_a_config_needs_its_config_json(copied, traine
     assert "records no config" in line and "config.json" in line, line
     shutil.copy(trained_tiny_run.workdir / "config.json", copied / "config.json")
     assert "seed changed" in _refused(tiny_config(dict(max_steps=3, seed=1)), copied)
-    run = trainer_lib.Run(tiny_config(dict(max_steps=2)), copied, trainer=shipped_tiny_trainer)
+    run = trainer_lib.Run(tiny_config(dict(max_steps=2)), copied, parts=shipped_tiny_parts)
     try:
         assert run.loop() == {}
     finally:
@@ -132,15 +132,15 @@ def test_a_dropped_cut_metrics_line_is_reported(tmp_path, capsys):
     assert path.read_text() == '{"step": 1}\n'
 
 
-def _with_new_sampler(trainer):
-    """``trainer`` as a new process would hold it: a Sampler that has measured nothing (the
-    compiled update and the weights are shared)."""
-    fresh = copy.copy(trainer)
-    fresh.sampler = build.build_sampler(trainer.config.rl, trainer.policy, trainer.tokenizer)
+def _with_new_sampler(parts):
+    """A run's ``parts`` as a new process would hold them: a Sampler that has measured nothing
+    (the compiled update and the weights are shared)."""
+    fresh = copy.copy(parts)
+    fresh.sampler = build.build_sampler(parts.config.rl, parts.policy, parts.tokenizer)
     return fresh
 
 
-def test_a_resume_runs_the_decode_program_its_first_process_picked(tmp_path, shipped_tiny_trainer,
+def test_a_resume_runs_the_decode_program_its_first_process_picked(tmp_path, shipped_tiny_parts,
                                                                   monkeypatch):
     """rl.decode_weights="auto" times both decode programs on a process's first rollout, and the
     two round differently. The first process picked stacked; the resumed one, whose own timing
@@ -155,12 +155,12 @@ def test_a_resume_runs_the_decode_program_its_first_process_picked(tmp_path, shi
             return answer
         return chosen
 
-    first = _with_new_sampler(shipped_tiny_trainer)
+    first = _with_new_sampler(shipped_tiny_parts)
     monkeypatch.setattr(decode_mode, "pick", pick("stacked"))
-    straight = trainer_lib.Run(tiny_config(dict(max_steps=3)), tmp_path / "straight", trainer=first)
+    straight = trainer_lib.Run(tiny_config(dict(max_steps=3)), tmp_path / "straight", parts=first)
     straight.loop()
     straight.close()
-    stopped = trainer_lib.Run(tiny_config(dict(max_steps=2)), tmp_path / "resumed", trainer=first)
+    stopped = trainer_lib.Run(tiny_config(dict(max_steps=2)), tmp_path / "resumed", parts=first)
     stopped.loop()
     stopped.close()
     assert picks == ["stacked"]   # one measurement in the first process
@@ -170,8 +170,8 @@ def test_a_resume_runs_the_decode_program_its_first_process_picked(tmp_path, shi
     assert meta["config"]["rl.decode_weights"] == "stacked"
 
     monkeypatch.setattr(decode_mode, "pick", pick("per_layer"))
-    second = _with_new_sampler(shipped_tiny_trainer)
-    resumed = trainer_lib.Run(tiny_config(dict(max_steps=3)), workdir, trainer=second)
+    second = _with_new_sampler(shipped_tiny_parts)
+    resumed = trainer_lib.Run(tiny_config(dict(max_steps=3)), workdir, parts=second)
     resumed.loop()
     resumed.close()
     assert picks == ["stacked"] and second.sampler.last_decode_mode == "stacked"

@@ -10,6 +10,7 @@ from launch import train as train_cli
 from logra_jax import metrics
 from logra_jax.perf import memory
 from logra_jax.rl import build
+from logra_jax.rl import assembly
 from logra_jax.rl import trainer as trainer_lib
 from tiny_config import tiny_config
 
@@ -35,13 +36,13 @@ def test_the_bar_labels_seconds_per_step(tmp_path):
     writer.close()
 
 
-def test_launch_train_says_what_it_trained(trained_tiny_run, shipped_tiny_trainer, tmp_path,
+def test_launch_train_says_what_it_trained(trained_tiny_run, shipped_tiny_parts, tmp_path,
                                            monkeypatch, capsys):
     """configs/tiny.py has no progress bar: step 3 is one line, then the closing summary."""
     workdir = tmp_path / "workdir"
     shutil.copytree(trained_tiny_run.workdir, workdir)
     monkeypatch.setattr(trainer_lib, "Run",
-                        functools.partial(trainer_lib.Run, trainer=shipped_tiny_trainer))
+                        functools.partial(trainer_lib.Run, parts=shipped_tiny_parts))
     capsys.readouterr()
     train_cli.run(tiny_config(dict(max_steps=3)), str(workdir))
     step, done = capsys.readouterr().out.splitlines()
@@ -75,7 +76,7 @@ def test_a_micro_batch_that_does_not_split_over_the_devices_is_named_first(caplo
     mesh = build.build_mesh(config.mesh)
     assert build.uneven_micro_batches(tiny.get_config().rl, mesh) is None
     with caplog.at_level("WARNING"):
-        trainer_lib.Trainer(config)
+        assembly.build_run(config)
     assert [record.getMessage() for record in caplog.records if record.levelname == "WARNING"] == [
         "rl.micro_batch_size=4 rows do not split over the 8 devices of the mesh's fsdp axis, so "
         "XLA lays out the update itself and may warn of an 'Involuntary full rematerialization'; "

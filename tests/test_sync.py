@@ -20,12 +20,13 @@ from logra_jax import sharding as sharding_lib
 from logra_jax.models import Decoder
 from logra_jax.models.config import tiny
 from logra_jax.optim import LowRankUpdate, SketchSpec, logra
-from logra_jax.rl import build, sync, sync_sparse
+from logra_jax.rl import build, optimizers, sync, sync_sparse
 from logra_jax.rl.policy import Policy, Sequences
 from logra_jax.rl.rollout import collect_rollouts
 from logra_jax.rl.sampler import Sampler
 from logra_jax.rl.sync_bytes import sync_bytes
-from logra_jax.rl.update import LossConfig, PolicyUpdate, TrainBatch
+from logra_jax.rl.algorithms.reinforce import ReinforceLoss
+from logra_jax.rl.update import PolicyUpdate, TrainBatch
 from logra_jax.tree_paths import leaves_with_paths
 
 PROMPT, STEPS, ROWS = 8, 6, 8
@@ -141,7 +142,7 @@ def kl():
     # is tested in tests/test_trainer.py and tests/optim/test_optim_rounding.py).
     tx = logra(variant="kl", kl_control=False, rank=SPEC.rank, seed=SPEC.seed,
                merge_rounding="nearest")
-    step = PolicyUpdate(policy, tx, LossConfig(algorithm="reinforce"), micro_batch_size=ROWS,
+    step = PolicyUpdate(policy, tx, ReinforceLoss(), micro_batch_size=ROWS,
                         probe_size=2, sketch=SPEC, train_others=False, return_updates=True)
     params = Policy.params_of(model)
     prompts = jax.random.randint(jax.random.PRNGKey(0), (ROWS, PROMPT), 1, 90, jnp.int32)
@@ -177,7 +178,7 @@ def tiny_grpo():
     model, tokenizer = build.build_model(config.model, train_mesh)
     policy = Policy(model)
     params = Policy.params_of(model)
-    optimizer = build.build_optimizer(config.optimizer)
+    optimizer = optimizers.build(config.optimizer)
     tx, sketch, train_others = optimizer.tx, optimizer.sketch, optimizer.train_others
     step = build.build_policy_update(config, policy, optimizer=optimizer, return_updates=True)
     sampler = build.build_sampler(rl, policy, tokenizer)

@@ -10,9 +10,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from logra_jax.perf import tpu
+from logra_jax.perf import machines
 
-pytestmark = pytest.mark.skipif(tpu.libtpu_version() is None,
+pytestmark = pytest.mark.skipif(machines.libtpu_version() is None,
                                 reason="libtpu (the 'tpu' extra) is not installed: no TPU compiler")
 TARGET = "v5p-8"   # the v5p compiler makes the copies from a few MiB per chip on (v5e's not yet)
 
@@ -44,8 +44,8 @@ def test_our_fp32_update_casts_each_layer_as_the_scan_reaches_it(tmp_path, monke
     config = tiny.get_config()
     config.model.update(dtype="bfloat16", param_dtype="float32", remat=True)
     config.model.tiny.update(num_layers=2, hidden_size=1024, intermediate_size=4096)
-    target = tpu.target(TARGET)
-    mesh = build_mesh({"fsdp": target.devices, "tensor": 1}, tpu.devices(target))
+    target = machines.machine(TARGET)
+    mesh = build_mesh({"fsdp": target.devices, "tensor": 1}, target.jax_devices())
 
     def optimized_update(dump_dir):
         memory.update_step_memory(config, mesh, micro_steps=1, dump_dir=dump_dir)

@@ -7,6 +7,7 @@ compiled it. A program over a chip's HBM is refused by the compiler itself, and 
 """
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,11 +18,11 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from logra_jax.perf import tpu
+from logra_jax.perf import machines, oom
 from sketch_lowering import lowered_sketch_backward
 
 REPO = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.skipif(tpu.libtpu_version() is None,
+pytestmark = pytest.mark.skipif(machines.libtpu_version() is None,
                                 reason="libtpu (the 'tpu' extra) is not installed: no TPU compiler")
 TARGET = "v5e-8"   # the smallest HBM (16 GB per chip): the cheapest program to overfill
 
@@ -52,11 +53,11 @@ def test_tiny_update_and_sampler_compile_for_a_tpu_slice(tiny_on_tpu):
     result, plan = tiny_on_tpu
     assert result.returncode == 0, result.stderr[-3000:]
     header = next(line for line in result.stdout.splitlines() if line.startswith("compiler:"))
-    assert f"libtpu {tpu.libtpu_version()}" in header and TARGET in header
+    assert f"libtpu {machines.libtpu_version()}" in header and TARGET in header
     assert "'TPU v5 lite'" in header   # the devices are the slice's, not simulated CPUs
     assert plan["target"] == TARGET and plan["mesh"] == {"fsdp": 8, "tensor": 1}
-    assert plan["memory_per_device"] == tpu.target(TARGET).hbm_per_device and plan["unit"] == "chip"
-    assert plan["compiler"].startswith(f"TPU, libtpu {tpu.libtpu_version()}")
+    assert plan["memory_per_device"] == machines.machine(TARGET).memory_per_device and plan["unit"] == "chip"
+    assert plan["compiler"].startswith(f"TPU, libtpu {machines.libtpu_version()}")
     step, rollout = plan["steps"][0], plan["rollouts"][0]
     assert step["arguments"] > 0 and step["temporaries"] > 0
     # The rollout phase is the compiled generate: weights among its arguments, a KV cache and
@@ -81,7 +82,7 @@ def test_a_compared_column_the_compiler_refuses_keeps_its_figure(tiny_on_tpu):
     "does not fit" line and its need (the compiler's temporaries + the arguments' bytes) stand
     beside LoGRA's peak, and the run's own column decides the exit code (0: LoGRA fits)."""
     result, plan = tiny_on_tpu
-    hbm = tpu.target(TARGET).hbm_per_device
+    hbm = machines.machine(TARGET).memory_per_device
     refused = plan["refused"]["adamw/fp32"]
     assert refused["program"] == "the adamw/fp32 update" and refused["needed"] > hbm
     # At least AdamW's fp32 weights and two moments: 12 bytes a parameter, where LoGRA's bf16
@@ -95,19 +96,49 @@ def test_a_compared_column_the_compiler_refuses_keeps_its_figure(tiny_on_tpu):
     assert f"adamw/fp32 refused (needs {needed} GiB), ratio " in result.stdout
 
 
+def test_two_slices_in_one_process_each_build_their_devices_in_their_own_environment(monkeypatch):
+    """libtpu reads TPU_ACCELERATOR_TYPE, and the variables saying there is no TPU host, when it
+    builds a topology: a v5p slice then a v6e slice in one process each see their own name (the
+    first no longer wins for every later one), each compiles for its own chips, and the process's
+    environment is as it was after each."""
+    from jax.experimental import topologies
+    names = ("TPU_ACCELERATOR_TYPE", "TPU_WORKER_HOSTNAMES", "TPU_SKIP_MDS_QUERY",
+             "ALLOW_MULTIPLE_LIBTPU_LOAD")
+    seen, build = [], topologies.get_topology_desc
+
+    def recording(*args, **kwargs):
+        seen.append({name: os.environ.get(name) for name in names})
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(topologies, "get_topology_desc", recording)
+    before = dict(os.environ)
+    kinds = {}
+    for name in ("v5p-8", "v6e-8"):
+        devices = machines.machine(name).jax_devices()
+        assert dict(os.environ) == before, name
+        x = jax.ShapeDtypeStruct((len(devices) * 8, 128), jnp.float32,
+                                 sharding=NamedSharding(Mesh(np.array(devices), ("x",)), P("x")))
+        compiled = jax.jit(lambda x: x @ x.T).lower(x).compile()
+        kinds[name] = {d.device_kind for d in compiled.input_shardings[0][0].device_set}
+    assert [s["TPU_ACCELERATOR_TYPE"] for s in seen] == ["v5p-8", "v6e-8"]
+    assert all(s["TPU_WORKER_HOSTNAMES"] == "localhost" and s["TPU_SKIP_MDS_QUERY"]
+               and s["ALLOW_MULTIPLE_LIBTPU_LOAD"] for s in seen), seen
+    assert kinds == {"v5p-8": {"TPU v5"}, "v6e-8": {"TPU v6 lite"}}
+
+
 def test_a_program_over_the_chips_hbm_is_refused_by_the_compiler():
     """The compiler's own refusal, parsed: what the program needs and what a v5e chip has."""
-    target = tpu.target(TARGET)
-    mesh = Mesh(np.array(tpu.devices(target)), ("x",))
+    target = machines.machine(TARGET)
+    mesh = Mesh(np.array(target.jax_devices()), ("x",))
     x = jax.ShapeDtypeStruct((100_000,), jnp.float32, sharding=NamedSharding(mesh, P()))
     outer = jax.jit(lambda x: x[:, None] * x[None, :])   # 40 GB of output on every chip
-    with pytest.raises(tpu.DoesNotFit) as refused:
-        tpu.compile_or_refuse(outer.lower(x))
+    with pytest.raises(oom.DoesNotFit) as refused:
+        oom.compile_or_refuse(outer.lower(x))
     assert refused.value.needed >= 100_000 ** 2 * 4 * 0.99
-    assert 0.9 * target.hbm_per_device < refused.value.available <= target.hbm_per_device
+    assert 0.9 * target.memory_per_device < refused.value.available <= target.memory_per_device
     # A program that fits compiles, and says how much it plans per device.
     small = jax.ShapeDtypeStruct((1024,), jnp.float32, sharding=NamedSharding(mesh, P()))
-    stats = tpu.compile_or_refuse(outer.lower(small)).memory_analysis()
+    stats = oom.compile_or_refuse(outer.lower(small)).memory_analysis()
     assert stats.output_size_in_bytes == 1024 * 1024 * 4
 
 
@@ -125,7 +156,7 @@ def test_a_plan_over_the_budget_is_one_line_and_a_nonzero_exit(tmp_path):
     assert f"HBM per device on {TARGET}" in last and "Traceback" not in result.stderr
     assert "--config.rl.rollout_micro_batch=N" in last   # the lever the next test shows
     needed = float(last.split(" needs ")[1].split(" GiB")[0])
-    assert needed > tpu.target(TARGET).hbm_per_device / 2 ** 30
+    assert needed > machines.machine(TARGET).memory_per_device / 2 ** 30
 
 
 def test_passes_of_rows_fit_the_rollout_batch_the_compiler_refused():
@@ -139,12 +170,12 @@ def test_passes_of_rows_fit_the_rollout_batch_the_compiler_refused():
     config.data.prompts_per_step = 4096
     config.rl.update(max_prompt_length=448, max_completion_length=64, rollout_micro_batch=256)
     config.model.tiny.head_dim = 2048
-    target = tpu.target(TARGET)
-    mesh = build_mesh({"fsdp": target.devices, "tensor": 1}, tpu.devices(target))
+    target = machines.machine(TARGET)
+    mesh = build_mesh({"fsdp": target.devices, "tensor": 1}, target.jax_devices())
     rollout = memory.rollout_step_memory(config, mesh)
     assert (rollout.rows, rollout.rows_per_pass) == (8192, 256)
     one_pass_cache = 8192 * 512 * 2 * 2048 * 2 * 4 * config.model.tiny.num_layers // 8  # f32 K+V
-    assert rollout.peak < target.hbm_per_device < one_pass_cache
+    assert rollout.peak < target.memory_per_device < one_pass_cache
 
 
 def test_the_xla_cpu_layout_barriers_stay_out_of_tpu_programs(monkeypatch):
@@ -157,7 +188,7 @@ def test_the_xla_cpu_layout_barriers_stay_out_of_tpu_programs(monkeypatch):
         lowered = lowered_sketch_backward(devices)
         return lowered.as_text().count("optimization_barrier"), lowered.compile()
 
-    tpu_devices = tpu.devices(tpu.target(TARGET))
+    tpu_devices = machines.machine(TARGET).jax_devices()
     assert compiled(jax.devices("cpu"))[0] > 0
     barriers, without = compiled(tpu_devices)
     assert barriers == 0
@@ -175,7 +206,7 @@ def test_galores_randomized_projector_compiles_for_tpu_without_the_svd():
     from logra_jax.optim.baselines import over_layers
     from logra_jax.optim.galore import galore
 
-    on = NamedSharding(Mesh(np.array(tpu.devices(tpu.target(TARGET))[:1]), ("x",)), P())
+    on = NamedSharding(Mesh(np.array(machines.machine(TARGET).jax_devices()[:1]), ("x",)), P())
     kernels = jax.ShapeDtypeStruct((2, 256, 1024), jnp.float32, sharding=on)
 
     def lowered(projector):

@@ -11,8 +11,8 @@ import pytest
 
 from configs import tiny
 from logra_jax import config as config_lib, metrics
-from logra_jax.optim import PredictedKLState
-from logra_jax.rl import build
+from logra_jax.optim import PredictedKLState, logra_metrics
+from logra_jax.rl import algorithms, assembly, build
 from logra_jax.rl import trainer as trainer_lib
 from logra_jax.rl.rollout import collect_rollouts
 from logra_jax.rl.update import TrainBatch
@@ -20,15 +20,15 @@ from tiny_config import VARIANTS, flat_params as _flat, make_config
 
 
 @pytest.fixture(scope="module")
-def trainers():
-    """One Trainer (compiled functions) per optimizer, shared by the tests of this module."""
-    return {name: trainer_lib.Trainer(make_config(name)) for name in VARIANTS}
+def parts_of():
+    """The parts of a run (compiled functions) per optimizer, shared by the tests of this module."""
+    return {name: assembly.build_run(make_config(name)) for name in VARIANTS}
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
-def test_end_to_end_logs_finite_metrics(name, trainers, tmp_path):
+def test_end_to_end_logs_finite_metrics(name, parts_of, tmp_path):
     config = make_config(name, max_steps=2)
-    run = trainer_lib.Run(config, tmp_path, trainer=trainers[name])
+    run = trainer_lib.Run(config, tmp_path, parts=parts_of[name])
     last = run.loop()
     run.close()
     rows = metrics.read_jsonl(tmp_path / "metrics.jsonl")
@@ -66,21 +66,21 @@ def _assert_the_safeguard_measured_each_step(rows):
             np.testing.assert_allclose(realized, backoff ** 2 * checked, rtol=0.05, err_msg=str(row))
 
 
-def test_the_safeguard_backs_off_a_step_the_prediction_undershot_inside_the_loop(trainers, tmp_path,
+def test_the_safeguard_backs_off_a_step_the_prediction_undershot_inside_the_loop(parts_of, tmp_path,
                                                                                   monkeypatch):
     """The loop's first update starts from a learned realized/predicted ratio ρ of 0.1 (the lowest
     it can learn): the corrected prediction undershoots the candidate's KL about tenfold, and the
     safeguard must bring the applied step back to the budget."""
-    trainer = trainers["logra-grpo"]
-    init_state = trainer.init_state
+    parts = parts_of["logra-grpo"]
+    init_state = parts.init_state
 
     def undershooting_state():
         params, opt_state = init_state()
         return params, jax.tree.map(
             lambda s: s._replace(kl_ratio=s.kl_ratio * 0.1) if isinstance(s, PredictedKLState) else s,
             opt_state, is_leaf=lambda s: isinstance(s, PredictedKLState))
-    monkeypatch.setattr(trainer, "init_state", undershooting_state)
-    run = trainer_lib.Run(make_config("logra-grpo", max_steps=1), tmp_path, trainer=trainer)
+    monkeypatch.setattr(parts, "init_state", undershooting_state)
+    run = trainer_lib.Run(make_config("logra-grpo", max_steps=1), tmp_path, parts=parts)
     run.loop()
     run.close()
     [row] = metrics.read_jsonl(tmp_path / "metrics.jsonl")
@@ -91,16 +91,16 @@ def test_the_safeguard_backs_off_a_step_the_prediction_undershot_inside_the_loop
     np.testing.assert_allclose(row["logra/realized_kl"], budget, rtol=0.05)
 
 
-def test_the_tiny_config_moves_its_weights_every_step(shipped_tiny_trainer, tmp_path):
+def test_the_tiny_config_moves_its_weights_every_step(shipped_tiny_parts, tmp_path):
     """configs/tiny.py as shipped (LoGRA GRPO variant, REINFORCE with its failure reward): each of
     its steps changes every parameter — a smoke run or resume test on it can see a wrong update."""
     config = tiny.get_config()
-    trainer = shipped_tiny_trainer
-    previous = _flat(trainer.initial_params)
+    parts = shipped_tiny_parts
+    previous = _flat(parts.initial_params)
     for steps in range(1, config.max_steps + 1):
         config = tiny.get_config()
         config.max_steps = steps
-        run = trainer_lib.Run(config, tmp_path, trainer=trainer)   # resumes from the last step
+        run = trainer_lib.Run(config, tmp_path, parts=parts)   # resumes from the last step
         run.loop()
         run.close()
         now = _flat(run.params)
@@ -109,12 +109,12 @@ def test_the_tiny_config_moves_its_weights_every_step(shipped_tiny_trainer, tmp_
         previous = now
 
 
-def _synthetic_batch(trainer, seed=0):
+def _synthetic_batch(parts, seed=0):
     """Real rollouts of the tiny policy with random advantages (its rewards are all zero)."""
-    config = trainer.config
+    config = parts.config
     data = build.build_data(config.data, config.seed)
-    ro = collect_rollouts(trainer.sampler, trainer.init_state()[0], trainer.tokenizer, data.next(),
-                          trainer.rollout_spec, jax.random.PRNGKey(seed), trainer.batch_sharding)
+    ro = collect_rollouts(parts.sampler, parts.init_state()[0], parts.tokenizer, data.next(),
+                          parts.rollout_spec, jax.random.PRNGKey(seed), parts.batch_sharding)
     # Placed as the loop places them: another sharding would compile the update a second time.
     adv = jax.device_put(jax.random.normal(jax.random.PRNGKey(seed + 1), ro.completed.shape),
                          ro.completed.sharding)
@@ -127,8 +127,8 @@ def _synthetic_batch(trainer, seed=0):
     ("logra-kl", "targets"),        # the KL variant freezes everything but the projections
     ("adamw", "all"),
 ])
-def test_update_changes_exactly_the_trainable_leaves(name, trainable, trainers):
-    t = trainers[name]
+def test_update_changes_exactly_the_trainable_leaves(name, trainable, parts_of):
+    t = parts_of[name]
     params, opt_state = t.init_state()
     before = _flat(params)
     params, opt_state, m = t.update(params, opt_state, _synthetic_batch(t))
@@ -145,11 +145,11 @@ RESUME = "logra-kl"  # its updates are never zero (REINFORCE baseline), so a wro
 
 
 @pytest.fixture(scope="module")
-def straight(trainers, tmp_path_factory):
+def straight(parts_of, tmp_path_factory):
     """An uninterrupted 3-step run: what every resumed run must end on, bit for bit. Checkpointed
     after every step: tests copy its workdir as it was at an earlier step instead of training to it."""
     run = trainer_lib.Run(make_config(RESUME, max_steps=3, checkpoint=dict(every=1, keep=3)),
-                          tmp_path_factory.mktemp("straight"), trainer=trainers[RESUME])
+                          tmp_path_factory.mktemp("straight"), parts=parts_of[RESUME])
     run.loop()
     run.close()
     return run
@@ -166,8 +166,8 @@ def _straight_until(straight, step: int, workdir):
     (workdir / "metrics.jsonl").write_text("".join(row + "\n" for row in rows[:step]))
 
 
-def _run(trainers, workdir, **overrides):
-    run = trainer_lib.Run(make_config(RESUME, **overrides), workdir, trainer=trainers[RESUME])
+def _run(parts_of, workdir, **overrides):
+    run = trainer_lib.Run(make_config(RESUME, **overrides), workdir, parts=parts_of[RESUME])
     try:
         run.loop()
     finally:
@@ -186,18 +186,18 @@ def _assert_same_end(straight, resumed, workdir):
     assert [r["step"] for r in metrics.read_jsonl(workdir / "metrics.jsonl")] == [1, 2, 3]
 
 
-def test_resume_is_bit_identical(trainers, straight, tmp_path):
+def test_resume_is_bit_identical(parts_of, straight, tmp_path):
     """Stopping after step 1 and resuming gives the same step-3 weights as an uninterrupted run;
     max_steps and the checkpoint cadence may change on resume."""
-    _run(trainers, tmp_path, max_steps=1, checkpoint=dict(every=1, keep=2))
-    _assert_same_end(straight, _run(trainers, tmp_path, max_steps=3), tmp_path)
+    _run(parts_of, tmp_path, max_steps=1, checkpoint=dict(every=1, keep=2))
+    _assert_same_end(straight, _run(parts_of, tmp_path, max_steps=3), tmp_path)
 
 
 # Orbax drops the other shard readers of the restore that fails on the torn file (and their event
 # loop); Python reports each as "exception ignored" when collected. Expected: ignored here, where
 # most are collected, and by pyproject.toml's filterwarnings in whichever test finds the rest.
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-def test_a_damaged_checkpoint_is_set_aside_and_the_previous_one_resumes(trainers, straight,
+def test_a_damaged_checkpoint_is_set_aside_and_the_previous_one_resumes(parts_of, straight,
                                                                         tmp_path):
     _straight_until(straight, 2, tmp_path)
     ckpts = tmp_path / "checkpoints"
@@ -206,59 +206,60 @@ def test_a_damaged_checkpoint_is_set_aside_and_the_previous_one_resumes(trainers
     # A partial last metrics line (killed mid-write) must not block the resume either.
     with open(tmp_path / "metrics.jsonl", "a") as f:
         f.write('{"step": 3, "rew')
-    resumed = _run(trainers, tmp_path, max_steps=3)
+    resumed = _run(parts_of, tmp_path, max_steps=3)
     gc.collect()
     assert (ckpts / "2.damaged").is_dir()          # kept for inspection, out of orbax's way
     _assert_same_end(straight, resumed, tmp_path)
 
 
-def test_no_intact_checkpoint_is_one_clear_error(trainers, tmp_path):
-    _run(trainers, tmp_path, max_steps=1)
+def test_no_intact_checkpoint_is_one_clear_error(parts_of, tmp_path):
+    _run(parts_of, tmp_path, max_steps=1)
     for meta in (tmp_path / "checkpoints").rglob("_METADATA"):
         meta.unlink()
     with pytest.raises(ValueError, match="no checkpoint in .* can be restored"):
-        _run(trainers, tmp_path, max_steps=2)
+        _run(parts_of, tmp_path, max_steps=2)
     assert (tmp_path / "checkpoints" / "1").is_dir()  # nothing renamed when nothing restores
 
 
-def test_resume_refuses_a_config_that_changes_the_state(trainers, tmp_path):
-    _run(trainers, tmp_path, max_steps=1)
+def test_resume_refuses_a_config_that_changes_the_state(parts_of, tmp_path):
+    _run(parts_of, tmp_path, max_steps=1)
     config = make_config(RESUME, max_steps=2, optimizer=dict(logra=dict(seed=7)), seed=3)
     with pytest.raises(ValueError, match=r"optimizer\.logra\.seed, seed changed"):
-        trainer_lib.Run(config, tmp_path, trainer=trainers[RESUME]).loop()
+        trainer_lib.Run(config, tmp_path, parts=parts_of[RESUME]).loop()
 
 
-def test_a_refused_resume_leaves_the_workdir_resumable(trainers, tmp_path):
+def test_a_refused_resume_leaves_the_workdir_resumable(parts_of, tmp_path):
     """With config.json gone, a resume with another optimizer is refused by the checkpoint's own
     config fingerprint, before anything is built (the Run closes itself when it fails to build);
     the refused config must not take config.json's place, or the right resume would be refused
     next."""
-    _run(trainers, tmp_path, max_steps=1)
+    _run(parts_of, tmp_path, max_steps=1)
     (tmp_path / "config.json").unlink()
     with pytest.raises(ValueError, match="was trained with another config"):
-        trainer_lib.Run(make_config("adamw", max_steps=2), tmp_path, trainer=trainers["adamw"])
+        trainer_lib.Run(make_config("adamw", max_steps=2), tmp_path, parts=parts_of["adamw"])
     assert not (tmp_path / "config.json").exists()
-    _run(trainers, tmp_path, max_steps=2)
+    _run(parts_of, tmp_path, max_steps=2)
     assert [r["step"] for r in metrics.read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2]
     assert json.loads((tmp_path / "config.json").read_text())["max_steps"] == 2
 
 
-def test_max_steps_already_reached_trains_nothing(trainers, straight, tmp_path):
+def test_max_steps_already_reached_trains_nothing(parts_of, straight, tmp_path):
     _straight_until(straight, 2, tmp_path)
     rows = metrics.read_jsonl(tmp_path / "metrics.jsonl")
-    run = trainer_lib.Run(make_config(RESUME, max_steps=1), tmp_path, trainer=trainers[RESUME])
+    run = trainer_lib.Run(make_config(RESUME, max_steps=1), tmp_path, parts=parts_of[RESUME])
     assert run.loop() == {}
     run.close()
     assert metrics.read_jsonl(tmp_path / "metrics.jsonl") == rows
 
 
-def test_reference_is_kept_only_for_a_kl_penalty_and_in_the_compute_dtype(trainers):
+def test_reference_is_kept_only_for_a_kl_penalty_and_in_the_compute_dtype(parts_of):
     """beta = 0, or REINFORCE (no KL term: it ignores beta): no reference on the devices. GRPO
     with beta > 0 at bf16 compute: a bf16 reference (half the bytes of the fp32 master weights)
     whose log-probs equal the initial policy's exactly."""
-    assert trainers["adamw"].config.rl.beta == 0 and trainers["adamw"].reference_params is None
-    assert not trainer_lib.uses_reference(make_config("adamw", rl=dict(beta=0.05)).rl)
-    t = trainer_lib.Trainer(make_config("adamw", model=dict(dtype="bfloat16"),
+    assert parts_of["adamw"].config.rl.beta == 0 and parts_of["adamw"].reference_params is None
+    rl = make_config("adamw", rl=dict(beta=0.05)).rl
+    assert not algorithms.get(rl.algorithm).uses_reference(rl)
+    t = assembly.build_run(make_config("adamw", model=dict(dtype="bfloat16"),
                                         rl=dict(algorithm="grpo", beta=0.05)))
     params, _ = t.init_state()
     assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(jnp.float32)}
@@ -271,7 +272,7 @@ def test_reference_is_kept_only_for_a_kl_penalty_and_in_the_compute_dtype(traine
 def _finite_checkpoints(run, workdir) -> list[int]:
     """The steps checkpointed in ``workdir``, after asserting that each holds finite weights."""
     saved = trainer_lib.checkpoint_lib.Checkpointer(workdir / "checkpoints")
-    params0, _ = run.trainer.init_state()
+    params0, _ = run.parts.init_state()
     steps = saved.all_steps()
     for step in steps:
         params = saved.restore_params(step, params0)
@@ -308,29 +309,29 @@ def _nan_advantages_from(step: int, advantages):
 
 
 @pytest.mark.parametrize("name", ["adamw", "logra-grpo"])
-def test_nonfinite_updates_are_skipped_and_never_reach_a_checkpoint(name, trainers, tmp_path):
+def test_nonfinite_updates_are_skipped_and_never_reach_a_checkpoint(name, parts_of, tmp_path):
     """NaN gradients from step 3: the update is skipped (weights unchanged — LoGRA by selecting a
     zero update, AdamW by a cond that never runs its moments' update), so checkpoint 3 holds step
     2's weights, and after max_consecutive_skips in a row the run stops. keep=2: good checkpoints
     are not rotated out by bad ones."""
     config = make_config(name, max_steps=8, optimizer=dict(max_consecutive_skips=2),
                          checkpoint=dict(every=1, keep=2))
-    run = trainer_lib.Run(config, tmp_path, trainer=trainers[name])
-    advantages = run.trainer.advantages
-    run.trainer.advantages = _nan_advantages_from(3, advantages)
+    run = trainer_lib.Run(config, tmp_path, parts=parts_of[name])
+    advantages = run.parts.advantages
+    run.parts.advantages = _nan_advantages_from(3, advantages)
     try:
         with pytest.raises(ValueError, match=r"2 updates in a row were not finite \(steps 3–4\): "
                                              r".* last checkpoint is step 3"):
             run.loop()
     finally:
-        run.trainer.advantages = advantages      # the module's trainers are shared
+        run.parts.advantages = advantages      # the module's parts are shared
         run.close()
     rows = metrics.read_jsonl(tmp_path / "metrics.jsonl")
     skipped = "logra/skipped" if name.startswith("logra") else "skipped"
     assert [bool(r[skipped]) for r in rows] == [False, False, True, True]
     assert _finite_checkpoints(run, tmp_path) == [2, 3]
     saved = trainer_lib.checkpoint_lib.Checkpointer(tmp_path / "checkpoints")
-    params0, _ = run.trainer.init_state()
+    params0, _ = run.parts.init_state()
     two, three = (_flat(saved.restore_params(step, params0)) for step in (2, 3))
     saved.close()
     for path in two:
@@ -338,8 +339,15 @@ def test_nonfinite_updates_are_skipped_and_never_reach_a_checkpoint(name, traine
 
 
 def test_unknown_override_key_exits_with_its_name():
+    """The command line's parse (`launch.cli`), on flags of its own (absl's FLAGS are parsed once
+    per process)."""
+    from absl import flags
+    from launch import cli
+    argv = ["prog", "--config=configs/tiny.py", "--config.optimizer.rnak=4"]
+    values = flags.FlagValues()
+    cli.define_config(help_string="", flag_values=values, sys_argv=argv)
     with pytest.raises(SystemExit) as e:
-        config_lib.check_argv(["--config=configs/tiny.py", "--config.optimizer.rnak=4"])
+        cli.parse(argv, flag_values=values)
     assert "unknown config key 'optimizer.rnak'" in str(e.value)
 
 
@@ -356,7 +364,7 @@ def test_a_grpo_step_on_the_newer_architectures():
     rollout and one GRPO update with random advantages change every parameter, and the predicted
     and realized KL are finite."""
     config = make_config("logra-grpo", rl=dict(algorithm="grpo"), model=dict(tiny=NEWER_ARCHITECTURES))
-    t = trainer_lib.Trainer(config)
+    t = assembly.build_run(config)
     params, opt_state = t.init_state()
     before = _flat(params)
     assert "layers/pre_feedforward_layernorm/scale" in before and t.policy.bind(params).config.sliding_window
@@ -364,6 +372,6 @@ def test_a_grpo_step_on_the_newer_architectures():
     params, opt_state, m = t.update(params, opt_state, _synthetic_batch(t))
     unchanged = [p for p, v in _flat(params).items() if np.array_equal(v, before[p])]
     assert not unchanged, unchanged
-    predicted = jax.device_get(trainer_lib.logra_metrics(opt_state))["logra/predicted_kl"]
+    predicted = jax.device_get(logra_metrics(opt_state))["logra/predicted_kl"]
     assert np.isfinite(predicted) and predicted > 0, predicted
     assert np.isfinite(m["logra/realized_kl"]) and m["logra/realized_kl"] > 0

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from logra_jax import metrics
+from logra_jax.rl import assembly
 from logra_jax.rl import trainer as trainer_lib
 from tiny_config import flat_params as _flat, make_config
 
@@ -30,9 +31,9 @@ def test_sync_modes_with_and_without_rollout_devices(mode, rollout_devices, vari
     run = trainer_lib.Run(config, tmp_path)
     run.loop()
     run.close()
-    trainer, engine = run.trainer, run.engine
-    train_ids = {d.id for d in trainer.mesh.devices.flat}
-    rollout_ids = {d.id for d in trainer.rollout_mesh.devices.flat}
+    parts, engine = run.parts, run.engine
+    train_ids = {d.id for d in parts.mesh.devices.flat}
+    rollout_ids = {d.id for d in parts.rollout_mesh.devices.flat}
     rows = metrics.read_jsonl(tmp_path / "metrics.jsonl")
     if rollout_devices:
         assert train_ids.isdisjoint(rollout_ids)
@@ -48,7 +49,7 @@ def test_sync_modes_with_and_without_rollout_devices(mode, rollout_devices, vari
             assert row["logra/sync_bytes"] == row["logra/sync_bytes_full"]
     for row in rows:
         assert np.isfinite(row["logra/sync_mismatch"])
-    initial = _flat(trainer.initial_params)
+    initial = _flat(parts.initial_params)
     engine_params, trainer_params = _flat(engine.params), _flat(run.params)
     moved = 0
     for path in engine_params:
@@ -71,24 +72,24 @@ def _bf16_config(name):
 @pytest.fixture(scope="module", params=list(BF16))
 def bf16_straight(request, tmp_path_factory):
     """model.param_dtype=bfloat16 with stochastic-rounding merges, 2 steps straight: (name, its
-    Trainer, the finished Run)."""
+    RunParts, the finished Run)."""
     name = request.param
-    trainer = trainer_lib.Trainer(_bf16_config(name))
+    parts = assembly.build_run(_bf16_config(name))
     straight = trainer_lib.Run(_bf16_config(name), tmp_path_factory.mktemp(f"straight-{name}"),
-                               trainer=trainer)
+                               parts=parts)
     straight.loop()
     straight.close()
-    return name, trainer, straight
+    return name, parts, straight
 
 
 def test_bf16_weights_train_and_sync_bit_exact(bf16_straight):
     """The target kernels are bf16 in memory and in checkpoints and they move; a receiver that
     holds only bf16 weights (factors without a master copy; sparse, which never needs one) ends on
     the trainer's bits, sending no more than a full sync."""
-    name, trainer, straight = bf16_straight
+    name, parts, straight = bf16_straight
     end = _flat(straight.params)
-    is_target = trainer.sketch.is_target
-    initial = _flat(trainer.initial_params)
+    is_target = parts.sketch.is_target
+    initial = _flat(parts.initial_params)
     for path, value in end.items():
         if is_target(path):
             assert value.dtype == jnp.bfloat16, path
@@ -100,7 +101,7 @@ def test_bf16_weights_train_and_sync_bit_exact(bf16_straight):
     for path in end:
         np.testing.assert_array_equal(engine[path], end[path].astype(engine[path].dtype), err_msg=path)
     saved = trainer_lib.checkpoint_lib.Checkpointer(straight.workdir / "checkpoints")
-    restored = _flat(saved.restore_params(2, trainer.init_state()[0]))
+    restored = _flat(saved.restore_params(2, parts.init_state()[0]))
     saved.close()
     assert {restored[p].dtype for p in restored if is_target(p)} == {jnp.dtype(jnp.bfloat16)}
 
@@ -110,13 +111,13 @@ def test_bf16_weights_resume_bit_exact(bf16_straight, tmp_path):
     resumed: the run ends on the straight run's bits — the stochastic rounding's bits come from
     A's key, and the GRPO variant's AdamW state (on bf16 weights) and the KL variant's controller
     state come back from the checkpoint."""
-    name, trainer, straight = bf16_straight
+    name, parts, straight = bf16_straight
     workdir = tmp_path / "resumed"
     shutil.copytree(straight.workdir, workdir)
     shutil.rmtree(workdir / "checkpoints" / "2")
     rows = (workdir / "metrics.jsonl").read_text().splitlines()
     (workdir / "metrics.jsonl").write_text(rows[0] + "\n")
-    run = trainer_lib.Run(_bf16_config(name), workdir, trainer=trainer)
+    run = trainer_lib.Run(_bf16_config(name), workdir, parts=parts)
     run.loop()
     run.close()
     assert [r["step"] for r in metrics.read_jsonl(workdir / "metrics.jsonl")] == [1, 2]

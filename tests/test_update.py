@@ -23,14 +23,15 @@ from logra_jax.optim import SketchSpec
 from logra_jax.optim.transforms import clip_by_reconstructed_norm
 from logra_jax.projections import projection
 from logra_jax.rl.policy import Policy, Sequences
-from logra_jax.rl.update import LossConfig, PolicyUpdate, TrainBatch
+from logra_jax.rl.algorithms.grpo import GRPOLoss
+from logra_jax.rl.update import PolicyUpdate, TrainBatch
 from logra_jax.tree_paths import leaves_with_paths
 
 ROWS, PROMPT, COMPLETION = 6, 4, 5
 SPEC = SketchSpec(rank=4, seed=7)
 # sequence-mean: every row weighs the same, so the whole-batch loss is the mean of the
 # micro-batches' losses whatever the rows' lengths (with token-mean only equal token counts are).
-LOSS = LossConfig(algorithm="grpo", loss_agg_mode="sequence-mean")
+LOSS = GRPOLoss(loss_agg_mode="sequence-mean")
 
 
 class SeenState(NamedTuple):

@@ -95,7 +95,7 @@ def test_the_lock_is_held_for_the_runs_life_and_released_by_close(tmp_path, no_m
     workdir_lib.WorkdirLock(tmp_path).acquire().release()      # ... and released it
 
 
-def test_a_live_run_holds_the_lock_until_it_is_closed(tmp_path, shipped_tiny_trainer, monkeypatch):
+def test_a_live_run_holds_the_lock_until_it_is_closed(tmp_path, shipped_tiny_parts, monkeypatch):
     """A built Run — after garbage collection, and again inside its loop — refuses a second
     acquire naming this process; after close() the lock is granted. The loop is stopped at its
     first rollout, before anything compiles."""
@@ -111,7 +111,7 @@ def test_a_live_run_holds_the_lock_until_it_is_closed(tmp_path, shipped_tiny_tra
         raise Stop
 
     monkeypatch.setattr(trainer_lib, "collect_rollouts", first_rollout)
-    run = trainer_lib.Run(tiny_config(), tmp_path, trainer=shipped_tiny_trainer)
+    run = trainer_lib.Run(tiny_config(), tmp_path, parts=shipped_tiny_parts)
     try:
         gc.collect()   # a lock only the garbage holds would be released here
         with pytest.raises(ValueError, match=f"pid {os.getpid()} on host"):
@@ -171,13 +171,13 @@ def test_another_config_without_a_checkpoint_or_metrics_is_refused(tmp_path, no_
     assert _files(tmp_path) == before
 
 
-def test_fresh_moves_the_history_aside_and_starts_over(tmp_path, shipped_tiny_trainer):
+def test_fresh_moves_the_history_aside_and_starts_over(tmp_path, shipped_tiny_parts):
     """--fresh: nothing is deleted; once the new run is built, the earlier run's files move to
     previous-<time>/ whole (a run that fails to build moves nothing: test_bad_input.py)."""
     _history(tmp_path, tiny_config(dict(seed=5)))
     (tmp_path / "checkpoints" / "3").mkdir(parents=True)
     before = _files(tmp_path)
-    run = trainer_lib.Run(tiny_config(), tmp_path, trainer=shipped_tiny_trainer, fresh=True)
+    run = trainer_lib.Run(tiny_config(), tmp_path, parts=shipped_tiny_parts, fresh=True)
     run.close()
     [aside] = tmp_path.glob("previous-*")
     assert {f"{aside.name}/{k}": v for k, v in before.items()} == {
@@ -186,7 +186,7 @@ def test_fresh_moves_the_history_aside_and_starts_over(tmp_path, shipped_tiny_tr
 
 
 def test_a_checkpoints_link_to_nothing_is_named_and_fresh_moves_it_whole(tmp_path, no_model,
-                                                                        shipped_tiny_trainer):
+                                                                        shipped_tiny_parts):
     """A ``checkpoints`` link that loops is no checkpoints folder: the refusal names it (not
     "checkpoints/ was removed"), and --fresh moves it with the rest, as a link."""
     _history(tmp_path, tiny_config())
@@ -196,7 +196,7 @@ def test_a_checkpoints_link_to_nothing_is_named_and_fresh_moves_it_whole(tmp_pat
     assert (f"{tmp_path / 'checkpoints'} is a symbolic link that loops (checkpoints → checkpoints)"
             in line and "--fresh" in line), line
     assert _files(tmp_path) == before
-    run = trainer_lib.Run(tiny_config(), tmp_path, trainer=shipped_tiny_trainer, fresh=True)
+    run = trainer_lib.Run(tiny_config(), tmp_path, parts=shipped_tiny_parts, fresh=True)
     run.close()
     [aside] = tmp_path.glob("previous-*")
     assert (aside / "checkpoints").is_symlink() and os.readlink(aside / "checkpoints") == "checkpoints"

@@ -26,7 +26,7 @@ def tiny_config(*overrides: dict) -> ml_collections.ConfigDict:
 
 # The optimizer variants the loop tests run: name → overrides of configs/tiny.py.
 VARIANTS = {
-    "logra-grpo": dict(optimizer=dict(name="logra", logra=dict(variant="grpo", kl_control=True))),
+    "logra-grpo": dict(optimizer=dict(name="logra", logra=dict(variant="learning_rate", kl_control=True))),
     "logra-kl": dict(optimizer=dict(name="logra", logra=dict(variant="kl", others="frozen")),
                      rl=dict(algorithm="reinforce")),
     "adamw": dict(optimizer=dict(name="adamw")),

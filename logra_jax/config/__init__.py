@@ -13,8 +13,9 @@ from logra_jax.config.fingerprint import (DECODE_KEY, RESUMABLE_CHANGES, as_json
 from logra_jax.config.keys import flatten, get
 from logra_jax.config.values import (ADVANTAGE_BASELINES, ALGORITHM_OPTIONS, ALGORITHMS,
                                      CHECKED_ELSEWHERE, DATA_SOURCES, DECODE_WEIGHTS,
-                                     DISTRIBUTIONS, GALORE_PROJECTORS, KL_ESTIMATORS,
-                                     LOSS_AGG_MODES, MODEL_DTYPES, OPTIMIZERS, ROUNDINGS,
-                                     SYNC_DTYPES, SYNC_MODES, VALUE_RULES, check_values,
-                                     describe_unknown, ignored_options, known_keys, nearest_keys,
+                                     DISTRIBUTIONS, FINITE, GALORE_PROJECTORS, KL_ESTIMATORS,
+                                     LOSS_AGG_MODES, MODEL_DTYPES, NONNEGATIVE, OPTIMIZERS,
+                                     POSITIVE, POSITIVE_INT, ROUNDINGS, SYNC_DTYPES, SYNC_MODES,
+                                     VALUE_RULES, Rule, check_values, describe_unknown,
+                                     ignored_options, known_keys, nearest_keys, one_of,
                                      replays_merge, unknown_keys, validate)

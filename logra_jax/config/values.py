@@ -80,7 +80,7 @@ KL_ESTIMATORS = ("k1", "k2", "k3")                          # rl.losses.KL_ESTIM
 LOSS_AGG_MODES = ("token-mean", "sequence-mean")            # rl.losses.LOSS_AGG_MODES
 ADVANTAGE_BASELINES = ("mean", "leave_one_out")             # rl.losses.ADVANTAGE_BASELINES
 DECODE_WEIGHTS = ("auto", "per_layer", "stacked")           # rl.sampler.Sampler.DECODE_WEIGHTS
-OPTIMIZERS = ("logra", "adamw", "adafactor", "galore", "lora")   # rl.build.OPTIMIZERS
+OPTIMIZERS = ("logra", "adamw", "adafactor", "galore", "lora")   # rl.optimizers.names()
 SYNC_MODES = ("off", "full", "factors", "sparse")           # "off" + rl.sync.MODES
 SYNC_DTYPES = ("bfloat16", "float32")
 MODEL_DTYPES = ("float32", "bfloat16")                      # models.config.DTYPES
@@ -124,7 +124,9 @@ VALUE_RULES: dict[str, Rule] = {
     "optimizer.probe_size": POSITIVE_INT, "optimizer.max_consecutive_skips": POSITIVE_INT,
     "optimizer.max_weight_norm_growth": Rule("a number > 1 (a multiple of the initial weight norm)",
                                              lambda v: _number(v) and v > 1),
-    "optimizer.logra.variant": one_of("grpo", "kl"),
+    "optimizer.logra.variant": Rule("one of 'learning_rate', 'kl' ('grpo' is now 'learning_rate': "
+                                    "the variant is named by its step, rl.algorithm by its objective)",
+                                    lambda v: v in ("learning_rate", "kl")),
     "optimizer.logra.learning_rate": NONNEGATIVE, "optimizer.logra.weight_decay": NONNEGATIVE,
     "optimizer.logra.max_grad_norm": optional(NONNEGATIVE_OR_INF),
     "optimizer.logra.targets": REGEX, "optimizer.logra.rank": POSITIVE_INT,

@@ -2,10 +2,10 @@
 checkpointable, deterministic batch iterator.
 
 The two sources pull in heavy libraries, each only for itself: ``load_gsm8k`` tensorflow_datasets,
-``make_task_source`` and ``TASKS`` reasoning_gym (which needs the C extension pycosat). So they are
-loaded on first use, not here: the memory planner, the benchmarks and the export read no data and
-need neither installed, a GSM8K run never imports reasoning_gym, a task run never imports
-tensorflow_datasets (tests/test_install.py).
+``make_task_source`` reasoning_gym (the ``rl`` extra; it needs the C extension pycosat). So their
+modules are loaded on first use, not here: the memory planner, the benchmarks and the export read
+no data and need neither installed, a GSM8K run never imports reasoning_gym, a task run never
+imports tensorflow_datasets (tests/test_install.py).
 """
 
 import importlib

@@ -20,20 +20,23 @@ from __future__ import annotations
 
 import dataclasses
 
-import reasoning_gym
-from reasoning_gym.factory import DATASETS as _RG_DATASETS
-
 from logra_jax.data.example import Example
 from logra_jax.data.answers import normalize_answer
+from logra_jax.extras import require
 
 TASKS: tuple[str, ...] = ("chain_sum", "basic_arithmetic", "gsm_symbolic")
+
+
+def _reasoning_gym(module: str = "reasoning_gym"):
+    """reasoning-gym (the rl extra), imported where a task is made, not where this module is."""
+    return require(module, "reasoning-gym", "data.source='task' (reasoning-gym's tasks)")
 
 
 def task_knobs(name: str) -> dict[str, object]:
     """The difficulty knobs of a task and their reasoning-gym defaults (seed and size excluded)."""
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; choose one of {TASKS}")
-    _, config_cls = _RG_DATASETS[name]
+    _, config_cls = _reasoning_gym("reasoning_gym.factory").DATASETS[name]
     return {f.name: f.default for f in dataclasses.fields(config_cls) if f.name not in ("seed", "size")}
 
 
@@ -80,7 +83,7 @@ def make_task_source(name: str, *, size: int, seed: int, **task_kwargs) -> TaskS
     if "operators" in task_kwargs:
         task_kwargs["operators"] = tuple(task_kwargs["operators"])
     try:
-        dataset = reasoning_gym.create_dataset(name, size=size, seed=seed, **task_kwargs)
+        dataset = _reasoning_gym().create_dataset(name, size=size, seed=seed, **task_kwargs)
     except AssertionError as err:  # reasoning-gym validates its configs with assert
         raise ValueError(f"invalid knobs for task {name!r} {task_kwargs}: {err}") from None
     return TaskSource(name, dataset, dict(task_kwargs))

@@ -1,7 +1,8 @@
-"""Config → objects: the only code that reads a run's ConfigDict (configs/base.py names every key).
+"""Config → objects: one builder per part of a run, each reading its own sections of the config.
 
-The trainer, the memory report, the benchmarks and the evaluation build what they need here, so
-the same config always gives the same mesh, model, optimizer, loss and update, whoever asks:
+The assembly (rl/assembly.py) composes them into a run's parts, for the trainer and for the memory
+planner alike; the evaluation, export and benchmarks call the ones they need. The algorithm's and
+the optimizer's parts come from their tables (rl/algorithms/, rl/optimizers/).
 
     validate(config)                         every value and cross-key rule (logra_jax/config/values.py)
     build_mesh(config.mesh, devices)         the device mesh
@@ -9,14 +10,11 @@ the same config always gives the same mesh, model, optimizer, loss and update, w
     build_model_config(config.model)         its ModelConfig without weights (early shape checks)
     build_prompt_source(config.data)         the examples
     build_data(config.data, seed, ...)       the prompt iterator (prompts checked against the window)
-    build_optimizer(config.optimizer)        Optimizer: the optax chain and what the loop needs of it
     replays_merge(config)                    whether a rollout engine replays LoGRA's merge
-    build_loss(config.rl)                    the RL objective (LossConfig)
     build_policy_update(config, policy)      the jitted update (PolicyUpdate)
     build_sampler(config.rl, policy, tok)    the rollout sampler
     build_rollout_spec(config)               how prompts become rollouts (group size, sampling, text)
     build_grader(config.rl)                  the reward
-    build_advantages(config.rl)              rewards → advantages
 """
 
 from __future__ import annotations
@@ -25,13 +23,11 @@ import contextlib
 import json
 import math
 import pathlib
-from typing import NamedTuple
 
 import jax
 import ml_collections
-import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 # Every value and cross-key rule, jax-free (checked before anything is built or written), and
 # whether a rollout engine replays LoGRA's merges: logra_jax/config/values.py.
@@ -40,15 +36,12 @@ from logra_jax import model_shapes
 from logra_jax import sharding as sharding_lib
 from logra_jax.data import PromptIterator
 from logra_jax.models import Decoder, ModelConfig, from_pretrained, gguf_loader, hf_loader
-from logra_jax.optim import SketchSpec, logra, variant_defaults, warmup_constant
-from logra_jax.optim.baselines import adafactor_baseline, adamw_baseline, galore_baseline
-from logra_jax.optim.lora import LORA_KEY, init_adapters, kernel_path
-from logra_jax.tree_paths import leaves_with_paths
-from logra_jax.rl.losses import Advantages
+from logra_jax.rl import algorithms, optimizers
+from logra_jax.rl.optimizers import Optimizer
 from logra_jax.rl.policy import Policy
 from logra_jax.rl.rollout import Grader, RolloutSpec, fit_prompt_window
 from logra_jax.rl.sampler import Sampler
-from logra_jax.rl.update import LossConfig, PolicyUpdate
+from logra_jax.rl.update import PolicyUpdate
 
 
 def build_mesh(axes, devices=None, *, spare_devices: bool = False) -> Mesh:
@@ -120,13 +113,8 @@ def random_model(model_config: ModelConfig, seed: int, mesh: Mesh | None) -> Dec
     """A Decoder of ``model_config`` with the random weights of ``nnx.Rngs(seed)``, initialised
     directly into its shards on ``mesh`` (a published shape never sits whole on one device first)."""
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Decoder(model_config, rngs=nnx.Rngs(0))))
-
-    def place(variable):   # each Variable's sharding, by its logical axes (as shard_model's)
-        shape = variable.get_value().shape
-        axes = sharding_lib.get_logical_axes(variable) or (None,) * len(shape)
-        return sharding_lib.logical_sharding(axes, mesh, None, shape)
-    shardings = None if mesh is None else jax.tree.map(
-        place, abstract, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    # Each Variable's sharding by its logical axes, as shard_model places a built model's.
+    shardings = None if mesh is None else sharding_lib.param_shardings(abstract, mesh)
 
     def init():
         return nnx.state(Decoder(model_config, rngs=nnx.Rngs(seed)))
@@ -193,135 +181,36 @@ def build_data(cfg: ml_collections.ConfigDict, seed: int, *, source=None, tokeni
     return PromptIterator(source, batch_size=cfg.prompts_per_step, seed=seed, shuffle=cfg.shuffle)
 
 
-class Optimizer(NamedTuple):
-    """What ``config.optimizer`` builds.
-
-    tx: the optax chain. sketch: its SketchSpec (None for a dense optimizer). train_others: False
-    when non-target params are frozen (KL variant). kl_control: the update needs a predicted-KL
-    probe. learning_rate: the schedule of the step size (logged each step). subtree: the params
-    entry `tx` alone trains ("lora": the adapters), None for all params.
-    """
-
-    tx: optax.GradientTransformation
-    sketch: SketchSpec | None
-    train_others: bool
-    kl_control: bool
-    learning_rate: optax.Schedule
-    subtree: str | None = None
-
-
-DENSE_OPTIMIZERS = {"adamw": adamw_baseline, "adafactor": adafactor_baseline,
-                    "galore": galore_baseline}
-OPTIMIZERS = ("logra",) + tuple(DENSE_OPTIMIZERS) + ("lora",)
-
-
-def lora_scale(cfg: ml_collections.ConfigDict) -> float | None:
-    """s = α / r of ``optimizer.lora`` when that is the optimizer (the Policy needs it), else None."""
-    return cfg.lora.alpha / cfg.lora.rank if cfg.name == "lora" else None
-
-
-def with_adapters(cfg: ml_collections.ConfigDict, params: dict) -> dict:
-    """``params`` plus freshly initialised LoRA adapters (``params["lora"]``) when the optimizer is
-    LoRA, each sharded like its kernel's in / out axes; otherwise ``params`` unchanged. Abstract
-    params (ShapeDtypeStructs, for memory planning) get abstract adapters."""
-    if cfg.name != "lora":
-        return params
-    abstract = any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params))
-
-    def make(p):
-        return init_adapters(p, cfg.lora.targets, cfg.lora.rank, cfg.lora.init_seed)
-    adapters = jax.eval_shape(make, params) if abstract else make(params)
-    kernels = dict(leaves_with_paths(params))
-
-    def place(x, kernel):
-        sharding = getattr(kernel, "sharding", None)
-        if not isinstance(sharding, NamedSharding):
-            return x
-        s = (sharding_lib.sharded_like_matrix(x.shape, kernel)
-             or NamedSharding(sharding.mesh, PartitionSpec()))
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s) if abstract else jax.device_put(x, s)
-
-    return dict(params, **{LORA_KEY: {
-        key: {name: place(x, kernels[kernel_path(key)]) for name, x in adapter.items()}
-        for key, adapter in adapters.items()}})
-
-
-def with_adapter_shardings(params: dict, shardings: dict) -> dict:
-    """Model-param ``shardings`` (e.g. the rollout mesh's) plus the LoRA adapters' of ``params``,
-    each laid out like its kernel there (`sharding.sharded_like_matrix`)."""
-    if LORA_KEY not in params:
-        return shardings
-    by_path = dict(leaves_with_paths(shardings))
-    out = {}
-    flat = dict(leaves_with_paths(params))
-    for key, adapter in params[LORA_KEY].items():
-        kernel = jax.ShapeDtypeStruct(flat[kernel_path(key)].shape, flat[kernel_path(key)].dtype,
-                                      sharding=by_path[kernel_path(key)])
-        out[key] = {name: sharding_lib.sharded_like_matrix(x.shape, kernel)
-                    or NamedSharding(kernel.sharding.mesh, PartitionSpec())
-                    for name, x in adapter.items()}
-    return dict(shardings, **{LORA_KEY: out})
-
-
-def build_optimizer(cfg: ml_collections.ConfigDict, *, replayed_merge: bool = True) -> Optimizer:
-    """The optimizer ``cfg.name`` names, from its section: ``cfg.logra`` holds the keyword arguments
-    of `logra(...)`, ``cfg.adamw`` / ``cfg.adafactor`` / ``cfg.galore`` those of the dense
-    baselines in `optim.baselines` (each after global-norm clipping, non-finite steps skipped).
-
-    ``replayed_merge`` (``replays_merge(config)``) decides ``logra.exact_merge`` when the config
-    leaves it None: order-free where a receiver replays the merge, one plain dot elsewhere."""
-    if cfg.name in DENSE_OPTIMIZERS:
-        kwargs = dict(cfg[cfg.name])
-        learning_rate = warmup_constant(kwargs.pop("learning_rate"), cfg.warmup_steps)
-        # A run whose weights still turn non-finite stops before they are saved (Run._check_divergence).
-        tx = DENSE_OPTIMIZERS[cfg.name](learning_rate, **kwargs)
-        return Optimizer(tx, None, True, False, learning_rate)
-    if cfg.name == "lora":
-        lora = cfg.lora
-        learning_rate = warmup_constant(lora.learning_rate, cfg.warmup_steps)
-        tx = adamw_baseline(learning_rate, b1=lora.b1, b2=lora.b2, eps=lora.eps,
-                            weight_decay=lora.weight_decay, max_grad_norm=lora.max_grad_norm)
-        return Optimizer(tx, None, False, False, learning_rate, subtree=LORA_KEY)
-    if cfg.name != "logra":
-        raise ValueError(f"optimizer.name must be one of {OPTIMIZERS}, got {cfg.name!r}")
-    kwargs = dict(cfg.logra)
-    if kwargs["exact_merge"] is None:
-        kwargs["exact_merge"] = replayed_merge
-    learning_rate = warmup_constant(kwargs.pop("learning_rate"), cfg.warmup_steps)
-    tx = logra(learning_rate=learning_rate, **kwargs)
-    others, kl_control = variant_defaults(kwargs["variant"], kwargs["others"], kwargs["kl_control"])
-    sketch = SketchSpec(**{k: kwargs[k] for k in ("targets", "rank", "seed", "distribution", "refresh")})
-    return Optimizer(tx, sketch, others != "frozen", kl_control, learning_rate)
-
-
-def build_loss(rl: ml_collections.ConfigDict) -> LossConfig:
-    return LossConfig(algorithm=rl.algorithm, epsilon=rl.epsilon, epsilon_high=rl.epsilon_high or None,
-                      beta=rl.beta, kl_estimator=rl.kl_estimator, loss_agg_mode=rl.loss_agg_mode,
-                      is_cap=rl.is_cap, temperature=rl.temperature)
-
-
 def build_policy_update(config: ml_collections.ConfigDict, policy: Policy, *,
                         optimizer: Optimizer | None = None,
                         return_updates: bool = False) -> PolicyUpdate:
-    """The jitted update of ``config`` (optimizer, loss, micro-batching, KL probe) for ``policy``.
+    """The jitted update of ``config`` (optimizer, the algorithm's loss, micro-batching, KL probe)
+    for ``policy``; ``optimizer`` defaults to the one the config builds.
 
     ``return_updates``: the step also returns the targets' LowRankUpdates (a factors sync needs them).
     """
     if optimizer is None:
-        optimizer = build_optimizer(config.optimizer, replayed_merge=replays_merge(config))
-    return PolicyUpdate(policy, optimizer.tx, build_loss(config.rl),
-                        micro_batch_size=config.rl.micro_batch_size,
+        optimizer = optimizers.build(config.optimizer, replayed_merge=replays_merge(config))
+    rl = config.rl
+    return PolicyUpdate(policy, optimizer.tx, algorithms.get(rl.algorithm).loss(rl),
+                        temperature=rl.temperature, micro_batch_size=rl.micro_batch_size,
                         probe_size=config.optimizer.probe_size, sketch=optimizer.sketch,
                         train_others=optimizer.train_others, kl_control=optimizer.kl_control,
                         return_updates=return_updates, subtree=optimizer.subtree)
 
 
-def build_sampler(rl: ml_collections.ConfigDict, policy: Policy, tokenizer) -> Sampler:
-    """The sampler of rollouts: the config's prompt and completion lengths, EOS and padding ids,
-    and rows per pass."""
-    pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eos_id
+def build_sampler(rl: ml_collections.ConfigDict, policy: Policy, tokenizer=None) -> Sampler:
+    """The sampler of rollouts: the config's prompt and completion lengths, the tokenizer's EOS
+    and padding ids, and rows per pass. Without a tokenizer (a memory plan of a shape, which has
+    none) both ids are 0: a plan compiles the sampler's program and never runs it, and the ids are
+    values in that program, not shapes."""
+    if tokenizer is None:
+        eos_id = pad_id = 0
+    else:
+        eos_id = tokenizer.eos_id
+        pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eos_id
     return Sampler(policy, max_prompt_length=rl.max_prompt_length,
-                   max_completion_length=rl.max_completion_length, eos_ids=[tokenizer.eos_id],
+                   max_completion_length=rl.max_completion_length, eos_ids=[eos_id],
                    pad_id=pad_id, decode_weights=rl.decode_weights,
                    rows_per_pass=rl.rollout_micro_batch)
 
@@ -334,12 +223,7 @@ def build_rollout_spec(config: ml_collections.ConfigDict) -> RolloutSpec:
 
 
 def build_grader(rl: ml_collections.ConfigDict) -> Grader:
-    """The math reward; a wrong answer earns ``rl.failure_reward`` under REINFORCE only (§7)."""
-    return Grader(failure_reward=rl.failure_reward if rl.algorithm == "reinforce" else 0.0,
+    """The math reward; what a wrong answer earns is the algorithm's (REINFORCE: ``rl.failure_reward``,
+    §7; GRPO: 0)."""
+    return Grader(failure_reward=algorithms.get(rl.algorithm).failure_reward(rl),
                   format_reward_weight=rl.format_reward_weight)
-
-
-def build_advantages(rl: ml_collections.ConfigDict) -> Advantages:
-    return Advantages(algorithm=rl.algorithm, num_generations=rl.num_generations,
-                      scale_by_std=rl.scale_rewards, baseline_momentum=rl.baseline_momentum,
-                      group_baseline=rl.advantage_baseline)

@@ -12,11 +12,8 @@ Aggregation (``loss_agg_mode``), for per-token losses ℓ_it and mask m_it:
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
 LOSS_AGG_MODES: tuple[str, ...] = ("token-mean", "sequence-mean")
@@ -236,26 +233,3 @@ def update_baseline(baseline: jax.Array | float, outcomes: jax.Array,
     n = jnp.sum(valid)
     mean = jnp.sum(jnp.where(valid, outcomes, 0.0)) / jnp.maximum(n, 1)
     return jnp.where(n > 0, momentum * baseline + (1.0 - momentum) * mean, baseline)
-
-
-@dataclasses.dataclass(frozen=True)
-class Advantages:
-    """Rewards → advantages (§7): GRPO's group-relative ones (baseline: the group mean, or each
-    response's leave-one-out mean), or REINFORCE's outcome minus a running baseline, which is
-    updated after use. ``__call__(rewards, baseline)`` returns (advantages, next baseline)."""
-
-    algorithm: str = "grpo"
-    num_generations: int = 2
-    scale_by_std: bool = True
-    baseline_momentum: float = 0.9
-    group_baseline: str = "mean"        # GRPO: "mean" | "leave_one_out" (group_advantages)
-
-    def __call__(self, rewards: np.ndarray, baseline: float) -> tuple[np.ndarray, float]:
-        if self.algorithm == "grpo":
-            adv = group_advantages(jnp.asarray(rewards), self.num_generations,
-                                   scale_by_std=self.scale_by_std, baseline=self.group_baseline)
-            return np.asarray(adv), baseline
-        # A row with a non-finite reward is masked: advantage 0, and not part of the baseline.
-        adv = np.where(np.isfinite(rewards), rewards - baseline, 0.0).astype(np.float32)
-        return adv, float(update_baseline(baseline, jnp.asarray(rewards),
-                                          momentum=self.baseline_momentum))

@@ -1,13 +1,13 @@
 """The RL training loop: rollout → rewards → advantages → reference log-probs → policy update.
 
 `train(config, workdir)` is the whole job behind ``python -m launch.train``. It reads top to
-bottom like the loop it runs (big_vision style): build everything from the config, resume if the
-workdir holds a checkpoint, then per step
+bottom like the loop it runs (big_vision style): assemble the run's parts from the config
+(rl/assembly.py), resume if the workdir holds a checkpoint, then per step
 
   1. take prompts from the data iterator and sample completions with the rollout engine,
-  2. grade them (1 for the right final answer) and turn rewards into advantages (GRPO: group
-     relative; REINFORCE: outcome minus a running baseline),
-  3. score the completions under the frozen reference model (only when beta > 0),
+  2. grade them (1 for the right final answer) and turn rewards into advantages (the algorithm's:
+     GRPO group relative, REINFORCE outcome minus a running baseline),
+  3. score the completions under the frozen reference model (when the algorithm's loss reads it),
   4. update the policy (`PolicyUpdate`: sketched gradients, LoGRA or AdamW, KL control),
   5. hand the new weights to the rollout engine, log metrics, checkpoint.
 """
@@ -21,130 +21,19 @@ import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import optax
 from absl import logging
-from flax import nnx
 
 from logra_jax import checkpoint as checkpoint_lib
 from logra_jax import config as config_lib
-from logra_jax import distributed, host_arrays, model_shapes
+from logra_jax import distributed, host_arrays
 from logra_jax import metrics as metrics_lib
-from logra_jax import sharding as sharding_lib
-from logra_jax.models import Decoder
-from logra_jax.optim import logra_metrics, skip_metrics
-from logra_jax.optim.low_rank import all_finite
-from logra_jax.rl import build, stopping, sync
+from logra_jax.rl import assembly, build, stopping
 from logra_jax.rl import workdir as workdir_lib
-from logra_jax.rl.policy import Policy, Sequences
-from logra_jax.rl.rollout import (Rollouts, RolloutSource, collect_rollouts, process_prompts,
-                                  rollout_source)
+from logra_jax.rl.assembly import RunParts
+from logra_jax.rl.rollout import Rollouts, collect_rollouts
 from logra_jax.rl.update import TrainBatch
-
-
-def uses_reference(rl: ml_collections.ConfigDict) -> bool:
-    """Whether the loss reads the reference model's log-probs: GRPO's KL term, when beta > 0
-    (REINFORCE has none, whatever beta says)."""
-    return rl.algorithm == "grpo" and rl.beta > 0
-
-
-class Trainer:
-    """All long-lived objects of a run, built once from the config (jitted functions included)."""
-
-    def __init__(self, config: ml_collections.ConfigDict):
-        build.validate(config)
-        distributed.check_joined(config.distributed)
-        if jax.process_count() > 1 and config.sync.rollout_devices:
-            raise ValueError(f"sync.rollout_devices={config.sync.rollout_devices} with "
-                             f"{jax.process_count()} processes: a sampler on its own devices runs "
-                             f"in one process only for now; colocate it (sync.rollout_devices=0)")
-        self.config = config
-        self.optimizer = build.build_optimizer(  # before the model: fails fast
-            config.optimizer, replayed_merge=build.replays_merge(config))
-        self.tx, self.sketch = self.optimizer.tx, self.optimizer.sketch
-        train_devices, rollout_devices = sync.split_devices(config.sync.rollout_devices)
-        self.mesh = build.build_mesh(config.mesh, train_devices)
-        self.rollout_mesh = build.build_mesh(config.sync.rollout_mesh, rollout_devices)
-        if (uneven := build.uneven_micro_batches(config.rl, self.mesh)) is not None:
-            logging.warning(uneven)
-        # Colocated, every sync is a local cast of the trainer's weights (sync.placed_mode).
-        self.sync_mode = sync.placed_mode(config.sync.mode, not config.sync.rollout_devices)
-        if self.sync_mode != config.sync.mode:
-            logging.info("sync.mode=%s with a colocated sampler runs as a local cast of the trainer's "
-                         "weights (exact, no master copy or mirror); sync.rollout_devices > 0 puts "
-                         "the sampler on its own devices and sends %s", config.sync.mode,
-                         config.sync.mode)
-        model, self.tokenizer = build.build_model(config.model, self.mesh)
-        self.policy = Policy(model, lora_scale=build.lora_scale(config.optimizer))
-        params = build.with_adapters(config.optimizer, Policy.params_of(model))   # + LoRA's
-        self.rollout_shardings = build.with_adapter_shardings(
-            params, sync.rollout_shardings(model, self.rollout_mesh))
-        del model
-        # The devices hold one copy of the weights during training: the policy's. The initial
-        # weights (the start of every Run of this Trainer) wait on the host, and the frozen
-        # reference is kept only when the loss uses it (`uses_reference`), in the compute dtype:
-        # every layer casts its weights to that dtype anyway, so its log-probs are unchanged (fp32
-        # master weights would cost 4 instead of 2 bytes per parameter at bf16 compute).
-        self.param_shardings = jax.tree.map(lambda x: x.sharding, params)
-        self._initial = host_arrays.HostShards(params)  # each process: its own shards only
-        compute = jnp.dtype(config.model.dtype)
-        self.reference_params = (
-            jax.jit(lambda p: jax.tree.map(lambda x: x.astype(compute) if jnp.issubdtype(
-                x.dtype, jnp.floating) else x, p), out_shardings=self.param_shardings)(params)
-            if uses_reference(config.rl) else None)
-        self.update = build.build_policy_update(config, self.policy, optimizer=self.optimizer,
-                                                return_updates=self.sync_mode == "factors")
-        self.sampler = build.build_sampler(config.rl, self.policy, self.tokenizer)
-        self.rollout_spec = build.build_rollout_spec(config)
-        self.grader = build.build_grader(config.rl)
-        self.advantages = build.build_advantages(config.rl)
-        rows = config.data.prompts_per_step * config.rl.num_generations
-        self.batch_sharding = sharding_lib.batch_sharding(self.mesh, rows)
-        self.rollout_batch_sharding = sharding_lib.batch_sharding(self.rollout_mesh, rows)
-        for batch_sharding in (self.batch_sharding, self.rollout_batch_sharding):  # whole groups
-            process_prompts(batch_sharding, config.data.prompts_per_step, config.rl.num_generations)
-        self._ref_logprobs = jax.jit(self._ref_logprobs_impl)
-        self.params_finite = jax.jit(all_finite)
-        self.weight_norm = jax.jit(optax.tree.norm)
-        self.initial_norm = float(self.weight_norm(params))
-        # Optimizer state sharded like the params it belongs to (RowAdam's v like the kernel's out
-        # dim): jit(tx.init) alone puts every output on one device, since none depends on values.
-        # LoRA's optimizer sees the adapters only (Optimizer.subtree).
-        trained = (lambda p: p[self.optimizer.subtree]) if self.optimizer.subtree else (lambda p: p)
-        self._init_opt = jax.jit(lambda p: self.tx.init(trained(p)),
-                                 out_shardings=sharding_lib.opt_state_shardings(self.tx, trained(params)))
-        del params
-
-    def _ref_logprobs_impl(self, ref_params, seqs: Sequences):
-        logp, _ = self.policy.completion_logprobs(ref_params, seqs, temperature=self.config.rl.temperature)
-        return logp
-
-    @property
-    def initial_params(self):
-        """The initial weights as numpy (one process: tests and tools read them)."""
-        return self._initial.to_numpy()
-
-    def init_state(self):
-        """(params, opt_state) at the initial weights, on the training devices."""
-        params = self._initial.to_devices(self.param_shardings)
-        return params, self._init_opt(params)
-
-    def rollout_source(self, params) -> RolloutSource:
-        """Where rollouts are sampled from, starting at ``params`` (rollout.py)."""
-        s = self.config.sync
-        return rollout_source(
-            self.sync_mode, params, policy=self.policy, shardings=self.rollout_shardings,
-            batch_sharding=self.batch_sharding if self.sync_mode == "off" else self.rollout_batch_sharding,
-            sketch=self.sketch, train_others=self.optimizer.train_others, master_copy=s.master_copy,
-            dtype=s.dtype, temperature=self.config.rl.temperature)
-
-    def reference_logprobs(self, ro: Rollouts) -> jax.Array:
-        """log π_ref of the completions; zeros when beta = 0 (the loss then never reads them)."""
-        if self.reference_params is None:
-            return jnp.zeros_like(ro.rollout_logp)
-        return self._ref_logprobs(self.reference_params, ro.seqs)
 
 
 class Preempted(Exception):
@@ -163,7 +52,7 @@ def _timed(times: dict[str, float], name: str):
     times[name] = time.perf_counter() - tic
 
 
-def step_row(t: Trainer, step: int, update_metrics, r: np.ndarray, ro: Rollouts, opt_state,
+def step_row(t: RunParts, step: int, update_metrics, r: np.ndarray, ro: Rollouts, opt_state,
              times: dict[str, float]) -> dict[str, Any]:
     """The metrics row of one step: the update's, the rollouts', the optimizer's and the clocks;
     ``r``: every row's reward. The same on every process."""
@@ -174,34 +63,10 @@ def step_row(t: Trainer, step: int, update_metrics, r: np.ndarray, ro: Rollouts,
                **{"completions/mean_length": float(lengths.mean()),
                   "completions/clipped_ratio": float(1.0 - completed.mean())},
                **times)
-    row.update(jax.device_get(logra_metrics(opt_state) if t.sketch is not None
-                              else skip_metrics(opt_state)))
+    row.update(jax.device_get(t.optimizer.metrics(opt_state)))
     row["learning_rate"] = float(t.optimizer.learning_rate(step - 1))
     row["time/step"] = sum(times.values())
     return row
-
-
-def check_with_shapes(config: ml_collections.ConfigDict) -> None:
-    """The checks that need the model's parameters (targets that match nothing or no matrix,
-    ranks against widths, LoRA's adapters) on abstract shapes made from the model's config alone
-    (`build.build_model_config`: a Hugging Face config.json or a GGUF header, no weights): the
-    optimizer's init is traced, nothing is allocated."""
-    if model_shapes.is_shape_source(config.model.source):
-        return   # a plan without weights: build_model refuses it, naming launch.memory
-    model_config = build.build_model_config(config.model)
-    if model_config is None:
-        return
-    optimizer = build.build_optimizer(config.optimizer, replayed_merge=build.replays_merge(config))
-    model = nnx.eval_shape(lambda: Decoder(model_config, rngs=nnx.Rngs(0)))
-    try:
-        params = build.with_adapters(config.optimizer, Policy.params_of(model))
-        jax.eval_shape(optimizer.tx.init, params[optimizer.subtree] if optimizer.subtree else params)
-    except ValueError as e:   # the optimizer's own message, with the section it comes from
-        section = f"optimizer.{config.optimizer.name}"
-        message = str(e).replace("lower rank", f"lower {section}.rank")
-        rank = config.optimizer[config.optimizer.name].get("rank")
-        given = f" ({section}.rank={rank})" if rank is not None and "rank" in message else ""
-        raise ValueError(f"{section} on this model{given}: {message}") from None
 
 
 # What `Run._steps` saves beside the arrays: the step, REINFORCE's running baseline, the data
@@ -241,7 +106,7 @@ class Run:
     pick that changed with the machine's load would change the run's numbers."""
 
     def __init__(self, config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,
-                 trainer: Trainer | None = None, fresh: bool = False):
+                 parts: RunParts | None = None, fresh: bool = False):
         self.config = config
         self._fingerprint = config_lib.fingerprint(config)   # recorded in every checkpoint
         self._lock = self.ckpt = None
@@ -254,9 +119,9 @@ class Run:
         self.summary: str | None = None   # `loop`'s one line of what it trained (process 0)
         # What can be checked in a moment is checked before the model is built, and before
         # anything in the workdir is written.
-        build.validate(config)
-        if trainer is None:   # a given Trainer was built from a config that passed them
-            check_with_shapes(config)
+        recipe = assembly.prepare(config)
+        if parts is None:   # given parts were built from a config that passed the shape checks
+            recipe.check_shapes()
         self._created_root = workdir_lib.missing_root(workdir)
         self.workdir = workdir_lib.prepare(workdir)
         try:
@@ -265,11 +130,11 @@ class Run:
                 self._lock.acquire()
             source = build.build_prompt_source(config.data)   # the data files: bad input first
             self._open_history(fresh)
-            # A Trainer holds compiled functions; runs of one config (e.g. a resumed run) may share it.
-            self.trainer = trainer if trainer is not None else Trainer(config)
+            # The parts hold compiled functions; runs of one config (e.g. a resumed run) may share them.
+            self.parts = parts if parts is not None else recipe.build()
             self.data = build.build_data(config.data, config.seed, source=source,
-                                         tokenizer=self.trainer.tokenizer,
-                                         rollout_spec=self.trainer.rollout_spec)
+                                         tokenizer=self.parts.tokenizer,
+                                         rollout_spec=self.parts.rollout_spec)
             if fresh:   # everything that could fail has been built: now the earlier run moves
                 self._set_aside()
             self._present = workdir_lib.present(self.workdir)
@@ -322,7 +187,7 @@ class Run:
         """(params, opt_state, step, baseline): the newest intact checkpoint, else the start. The
         workdir's config.json is written only once that is known: a run refused or failed before
         here leaves the config.json of the run it would have continued as it was."""
-        params, opt_state = self.trainer.init_state()
+        params, opt_state = self.parts.init_state()
         latest = self.ckpt.restore_latest((params, opt_state))
         if latest is None:
             return params, opt_state, 0, 0.0
@@ -351,7 +216,7 @@ class Run:
             return
         asked = self.config.rl.decode_weights
         if asked == "auto":
-            self.trainer.sampler.preset_decode_mode(recorded)
+            self.parts.sampler.preset_decode_mode(recorded)
             self._decode_mode = recorded
             self._fingerprint[config_lib.DECODE_KEY] = recorded
         elif asked != recorded:
@@ -364,7 +229,7 @@ class Run:
         "auto" resolves at its first rollout)."""
         if self._decode_mode is not None:
             return
-        self._decode_mode = getattr(self.trainer.sampler, "last_decode_mode", None)
+        self._decode_mode = getattr(self.parts.sampler, "last_decode_mode", None)
         if self._decode_mode is not None:
             self._fingerprint[config_lib.DECODE_KEY] = self._decode_mode
 
@@ -382,7 +247,7 @@ class Run:
     def loop(self) -> dict[str, Any]:
         """Trains to ``max_steps``; returns the last step's metrics row. On SIGTERM / SIGINT it
         finishes the step in progress, saves a checkpoint and raises `Preempted`."""
-        config, t = self.config, self.trainer
+        config, t = self.config, self.parts
         params, opt_state, step, baseline = self._start()
         self.summary = None
         if step >= config.max_steps:
@@ -396,7 +261,7 @@ class Run:
                                            tensorboard=config.log.tensorboard,
                                            progress=config.log.progress,
                                            files=distributed.is_primary(),
-                                           kl_measured=uses_reference(config.rl))
+                                           kl_measured=t.reference_params is not None)
         base_rng = jax.random.PRNGKey(config.seed)
         try:
             with stopping.deferred() as stop:
@@ -421,7 +286,7 @@ class Run:
     def _steps(self, stop, step, params, opt_state, baseline, rollouts, writer, base_rng):
         """The steps from ``step`` to max_steps (or to a stop request on any process): the five of
         the docstring. Returns (last row, step, params, opt_state, stopped)."""
-        config, t, data, ckpt = self.config, self.trainer, self.data, self.ckpt
+        config, t, data, ckpt = self.config, self.parts, self.data, self.ckpt
         last: dict[str, Any] = {}
         skipped_in_a_row = 0
         stopped = False
@@ -444,7 +309,7 @@ class Run:
                     t.grader(ro.texts, ro.golds), rollouts.batch_sharding, len(ro.rollout_logp)))
                 adv, baseline = t.advantages(r, baseline)  # REINFORCE: baseline updated after use
 
-            # 3. Reference log-probs (zeros when beta = 0).
+            # 3. Reference log-probs (zeros when the algorithm reads none).
             with _timed(times, "time/reference"):
                 ref_logp = t.reference_logprobs(ro)
 
@@ -485,18 +350,18 @@ class Run:
         limit = self.config.optimizer.max_consecutive_skips
         latest = self.ckpt.latest_step()
         kept = f"the last checkpoint is step {latest}" if latest is not None else "no checkpoint yet"
-        norm = float(self.trainer.weight_norm(params))
-        if not np.isfinite(norm) and not bool(self.trainer.params_finite(params)):
+        norm = float(self.parts.weight_norm(params))
+        if not np.isfinite(norm) and not bool(self.parts.params_finite(params)):
             raise ValueError(f"step {step}: the weights are not finite (the run diverged); they were "
                              f"not saved, {kept}; lower the learning rate")
         growth = self.config.optimizer.max_weight_norm_growth
-        if not norm <= growth * self.trainer.initial_norm:  # an fp32 overflow of the norm, too
+        if not norm <= growth * self.parts.initial_norm:  # an fp32 overflow of the norm, too
             raise ValueError(f"step {step}: the weight norm grew to {norm:.4g}, "
-                             f"{norm / self.trainer.initial_norm:.3g}× the initial "
-                             f"{self.trainer.initial_norm:.4g} (the run diverged; "
+                             f"{norm / self.parts.initial_norm:.3g}× the initial "
+                             f"{self.parts.initial_norm:.4g} (the run diverged; "
                              f"optimizer.max_weight_norm_growth={growth}); the weights were not "
                              f"saved, {kept}; lower the learning rate")
-        if not row.get("logra/skipped", row.get("skipped", False)):
+        if not row.get(self.parts.optimizer.skipped_key, False):
             return 0
         skipped_in_a_row += 1
         logging.warning("step %d: the update was not finite and was skipped (weights unchanged); "

@@ -24,7 +24,7 @@ from logra_jax.optim import (LowRankUpdate, SketchSpec, apply_updates_counting_c
                              with_update_factors)
 from logra_jax.sharding import mesh_of, sketch_shardings
 from logra_jax.tree_paths import leaves_with_paths
-from logra_jax.rl import losses
+from logra_jax.rl.algorithms.base import Loss
 from logra_jax.rl.policy import Policy, Sequences
 
 
@@ -69,24 +69,6 @@ class CompactUpdate:
     update_index: jax.Array
 
 
-@dataclasses.dataclass(frozen=True)
-class LossConfig:
-    """The RL objective (docs/algorithm.md §7; names follow TRL)."""
-
-    algorithm: str = "grpo"          # "grpo" | "reinforce" (the KL variant's REINFORCE)
-    epsilon: float = 0.2
-    epsilon_high: float | None = None
-    beta: float = 0.0
-    kl_estimator: str = "k3"
-    loss_agg_mode: str = "token-mean"
-    is_cap: float = 2.0
-    temperature: float = 1.0
-
-    def __post_init__(self):
-        if self.algorithm not in ("grpo", "reinforce"):
-            raise ValueError(f"algorithm must be 'grpo' or 'reinforce', got {self.algorithm!r}")
-
-
 def _tree_add(a, b):
     return jax.tree.map(jnp.add, a, b)
 
@@ -97,7 +79,9 @@ class PolicyUpdate:
     Args:
       policy: the model graph.
       tx: the optimizer (`logra(...)` or any optax transformation for dense gradients).
-      loss: the objective.
+      loss: the objective of one micro-batch (an algorithm's `Loss`, rl/algorithms/): (log π_θ of
+        the completion tokens, the micro-batch) → (loss, metrics).
+      temperature: the sampling temperature T the log-probs are taken at (the sampler's).
       micro_batch_size: rows per gradient pass; the batch size must be a multiple of it.
       probe_size: rows (from the start of the batch) for predicted and realized KL.
       sketch: the SketchSpec `tx` was built with, or None for a dense optimizer.
@@ -110,8 +94,9 @@ class PolicyUpdate:
         the base frozen and never differentiated); `tx` then sees ``params[subtree]`` alone.
     """
 
-    def __init__(self, policy: Policy, tx: optax.GradientTransformation, loss: LossConfig, *,
-                 micro_batch_size: int, probe_size: int, sketch: SketchSpec | None,
+    def __init__(self, policy: Policy, tx: optax.GradientTransformation, loss: Loss, *,
+                 temperature: float = 1.0, micro_batch_size: int, probe_size: int,
+                 sketch: SketchSpec | None,
                  train_others: bool = True, kl_control: bool = False, return_updates: bool = False,
                  subtree: str | None = None):
         if micro_batch_size <= 0 or probe_size <= 0:
@@ -124,6 +109,7 @@ class PolicyUpdate:
         self.policy = policy
         self.tx = tx
         self.loss = loss
+        self.temperature = temperature
         self.micro_batch_size = micro_batch_size
         self.probe_size = probe_size
         self.sketch = sketch
@@ -174,19 +160,10 @@ class PolicyUpdate:
 
     # -- the objective on one micro-batch -------------------------------------------------------
     def _objective(self, params, probes, mb: TrainBatch):
-        cfg = self.loss
         logp, entropy = self.policy.completion_logprobs(params, mb.seqs, probes=probes,
-                                                        temperature=cfg.temperature)
+                                                        temperature=self.temperature)
+        loss, metrics = self.loss(logp, mb)
         mask = mb.seqs.completion_mask
-        if cfg.algorithm == "grpo":
-            loss, metrics = losses.grpo_loss(
-                logp, jax.lax.stop_gradient(logp), mb.advantages, mask,
-                ref_logp=mb.ref_logp if cfg.beta > 0 else None, epsilon=cfg.epsilon,
-                epsilon_high=cfg.epsilon_high, beta=cfg.beta, kl_estimator=cfg.kl_estimator,
-                loss_agg_mode=cfg.loss_agg_mode)
-        else:
-            loss, metrics = losses.reinforce_loss(logp, mb.rollout_logp, mb.advantages, mask,
-                                                  is_cap=cfg.is_cap, loss_agg_mode=cfg.loss_agg_mode)
         maskf = mask.astype(jnp.float32)
         # Sampler-vs-trainer log-prob gap on completed responses: the controller's mismatch term
         # (a token either side gives probability 0 carries no finite gap and is left out).
@@ -271,7 +248,7 @@ class PolicyUpdate:
         head_old = self.policy.bind(params).head_kernel()
         # The old weights' pass over the probe runs before the optimizer writes any weight: left
         # free, a scheduler may place it after a merge and must then keep a copy of that weight
-        # stack's old values (the TPU compiler did, for Qwen2.5-7B's down_proj: 1.77 GiB per chip).
+        # stack's old values (the TPU compiler does so for Qwen2.5-7B's down_proj: 1.77 GiB per chip).
         hidden_old, head_old, params = jax.lax.optimization_barrier((hidden_old, head_old, params))
         extra = {}
         if self.kl_control:
@@ -286,9 +263,9 @@ class PolicyUpdate:
             mask, frozen = probe.seqs.completion_mask, not self.train_others
             extra = dict(
                 predict_kl=make_predict_kl(probe_logits, others, wrt["factors"], mask,
-                                           self.loss.temperature, others_frozen=frozen),
+                                           self.temperature, others_frozen=frozen),
                 candidate_kl=make_candidate_kl(probe_hidden, others, wrt["factors"], hidden_old,
-                                               head_old, mask, self.loss.temperature,
+                                               head_old, mask, self.temperature,
                                                others_frozen=frozen),
                 # NaN: no completed response this step, nothing observed (the EMA stays).
                 mismatch=jnp.where(mismatch_count > 0, mismatch, jnp.nan))
@@ -308,7 +285,7 @@ class PolicyUpdate:
             metrics["logra/changed_fraction"] = changed
         metrics["logra/realized_kl"] = exact_kl_from_hidden(
             hidden_old, head_old, self.policy.hidden(params, probe.seqs),
-            self.policy.bind(params).head_kernel(), probe.seqs.completion_mask, self.loss.temperature)
+            self.policy.bind(params).head_kernel(), probe.seqs.completion_mask, self.temperature)
         metrics["grad_norm"] = optax.tree.norm(grads)
         if self.return_updates:
             low_rank = {path: u for path, u in leaves_with_paths(updates) if isinstance(u, LowRankUpdate)}

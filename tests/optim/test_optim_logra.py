@@ -118,7 +118,7 @@ def test_the_builder_merges_order_free_only_where_a_receiver_replays_the_merge(
     order-free; colocated (the sampler reads the trainer's weights) or with weights sent, one plain
     dot is enough. ``exact_merge`` set in the config wins either way."""
     from configs import base
-    from logra_jax.rl import build as build_lib
+    from logra_jax.rl import build as build_lib, optimizers
     config = base.get_config()
     config.optimizer.logra.update(rank=RANK, seed=5)
     config.sync.update(mode=mode, rollout_devices=rollout_devices)
@@ -127,7 +127,7 @@ def test_the_builder_merges_order_free_only_where_a_receiver_replays_the_merge(
     grads = tiny["grad_fn"](params, tiny["tokens"][0], 0)
     for setting, exact in ((None, replayed), (True, True), (False, False)):
         config.optimizer.logra.exact_merge = setting
-        tx = build_lib.build_optimizer(config.optimizer, replayed_merge=replayed).tx
+        tx = optimizers.build(config.optimizer, replayed_merge=replayed).tx
         updates, _ = tx.update(grads, tx.init(params), params)
         flags = {p: x.exact for p, x in leaves_with_paths(updates) if isinstance(x, LowRankUpdate)}
         assert set(flags) == TARGET_PATHS and set(flags.values()) == {exact}, (setting, flags)

@@ -1,0 +1,386 @@
+"""logra_jax/perf/gpu_cost.py: kernels, host syncs and bytes of XLA:GPU programs, compiled deviceless.
+
+Each program is small and compiled by XLA:GPU for one H200 on this CPU machine (the CUDA plugin of
+the 'gpu-plan' extra, as tests/test_gpu_compile.py); what it launches and moves is known by hand.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from logra_jax.perf import gpu_cost, machines
+
+pytestmark = pytest.mark.skipif(
+    machines.plugin_version() is None and os.environ.get("CI") != "true",
+    reason="the CUDA plugin (the 'gpu-plan' extra) is not installed: no XLA:GPU")
+
+BF16 = 2   # bytes
+
+
+@pytest.fixture(scope="module")
+def one_gpu():
+    return NamedSharding(Mesh(np.array(machines.machine("h200-8").jax_devices()[:1]), ("x",)), P())
+
+
+def _compile(one_gpu, fn, *shapes, donate=(), options=None):
+    args = [jax.ShapeDtypeStruct(shape, dtype, sharding=one_gpu) for shape, dtype in shapes]
+    return jax.jit(fn, donate_argnums=donate).lower(*args).compile(
+        compiler_options={**machines.XLA_GPU_OPTIONS, **(options or {})})
+
+
+def _text(one_gpu, fn, *shapes, donate=()):
+    return _compile(one_gpu, fn, *shapes, donate=donate).as_text()
+
+
+@pytest.mark.parametrize("form", ["product", "reduction"])
+def test_a_gemv_reads_its_weight_once(one_gpu, form):
+    """A batch-one product as a Triton GEMM split over the contraction (8 partial f32 vectors, then
+    their sum: 0.8 % of the weight's bytes more), or written as the reduction XLA makes of small
+    decode products (one fusion: multiply by the broadcast vector, reduce): either reads the
+    weight once; the weight-sized product inside the fusion never reaches memory."""
+    n = 4096
+    gemv = (lambda w, x: w @ x) if form == "product" else (lambda w, x: jnp.sum(w * x[None, :], axis=1))
+    cost = gpu_cost.Program(_text(one_gpu, gemv, ((n, n), jnp.bfloat16), ((n,), jnp.bfloat16))).cost()
+    weight = n * n * BF16
+    assert weight <= cost.bytes <= 1.02 * weight, cost.largest(5)
+    assert cost.kernels <= 2
+
+
+def test_an_in_place_cache_write_moves_only_the_slot(one_gpu):
+    slots, width = 2048, 1024
+
+    def write_all(cache, rows):
+        def step(i, cache):   # a decode step's cache write: one row, at a position known at run time
+            return jax.lax.dynamic_update_slice(cache, (rows[i] * 2)[None], (i, 0))
+        return jax.lax.fori_loop(0, slots, step, cache)
+
+    program = gpu_cost.Program(_text(one_gpu, write_all, ((slots, width), jnp.bfloat16),
+                                     ((slots, width), jnp.bfloat16), donate=(0,)))
+    (loop,) = program.loops()
+    trip = program.trip(loop)
+    row = width * BF16
+    # Per trip: the row read from `rows` (a dynamic slice of it, not all of it) and written into
+    # the cache's slot; the loop's counter; nothing of the cache's other slots.
+    assert loop.trip_count == slots
+    assert trip.bytes <= 2 * row + 256, trip.largest(5)
+    assert "in-place dynamic-update-slice" in trip.kernels_by_kind()
+    assert program.cost().bytes <= slots * (2 * row + 256)
+
+
+def test_a_dynamic_loop_syncs_the_host_every_trip_and_a_fori_loop_never(one_gpu):
+    def until(x, n):   # a trip count known only at run time, as the sampler's token loop
+        return jax.lax.while_loop(lambda c: c[1] < n, lambda c: (jnp.sin(c[0]) * 1.5, c[1] + 1),
+                                  (x, jnp.int32(0)))[0]
+
+    def fixed(x, n):
+        return jax.lax.fori_loop(0, 7, lambda i, y: jnp.sin(y) * 1.5, x) + n
+
+    dynamic = gpu_cost.Program(_text(one_gpu, until, ((1024,), jnp.float32), ((), jnp.int32)))
+    (loop,) = dynamic.loops()
+    assert loop.trip_count is None
+    assert dynamic.trip(loop).host_syncs == 1
+    whole = dynamic.cost()   # one trip counted, then the check that ends the loop
+    assert whole.host_syncs == 2 and whole.dynamic_loops == 1
+
+    static = gpu_cost.Program(_text(one_gpu, fixed, ((1024,), jnp.float32), ((), jnp.int32)))
+    (loop,) = static.loops()
+    assert loop.trip_count == 7
+    assert static.trip(loop).host_syncs == 0 and static.cost().host_syncs == 0
+
+
+def test_nested_loop_trips_multiply(one_gpu):
+    def nested(x):
+        inner = lambda i, y: jnp.sin(y) * 1.5 + i
+        return jax.lax.fori_loop(0, 3, lambda j, y: jax.lax.fori_loop(0, 5, inner, y) * 0.5, x)
+
+    program = gpu_cost.Program(_text(one_gpu, nested, ((4096,), jnp.float32)))
+    outer, inner = program.loops()
+    assert (outer.trip_count, inner.trip_count, inner.parents) == (3, 5, (outer.name,))
+    body = program.cost(inner.body)
+    whole = program.cost()
+    for key, (_, times) in body.launches.items():
+        assert whole.launches[key][1] == 15, key   # each inner kernel runs 3 × 5 times
+    assert whole.kernels >= 15 * body.kernels
+
+
+def test_decode_step_of_a_chunked_token_loop(one_gpu):
+    """A token loop of fixed 16-token chunks inside a loop that runs until the rows end: one host
+    sync per chunk, so 1/16 per token; every figure per token is the chunk's over 16."""
+    vocab, width, chunk = 8192, 512, 16
+
+    def generate(head, h, n):
+        def token(i, carry):
+            h, done = carry
+            logits = head @ h
+            return jnp.tanh(h + logits[:width] * 1e-3), done + (jnp.argmax(logits) == 0)
+        def chunk_of_tokens(carry):
+            h, done, step = carry
+            h, done = jax.lax.fori_loop(0, chunk, token, (h, done))
+            return h, done, step + chunk
+        return jax.lax.while_loop(lambda c: (c[2] < n) & (c[1] == 0), chunk_of_tokens,
+                                  (h, jnp.int32(0), jnp.int32(0)))
+
+    text = _text(one_gpu, generate, ((vocab, width), jnp.bfloat16), ((width,), jnp.bfloat16),
+                 ((), jnp.int32))
+    step = gpu_cost.decode_step(text, vocab_size=vocab, hidden_size=width)
+    assert step.dynamic and step.tokens_per_trip == chunk
+    assert step.host_syncs == pytest.approx(1 / chunk)
+    head = vocab * width * BF16
+    assert head <= step.bytes <= 1.05 * head   # the head once per token, little else
+    program = gpu_cost.Program(text)
+    (outer, inner) = program.loops()
+    assert step.loop == outer.name and step.kernels == pytest.approx(program.trip(outer).kernels / chunk)
+
+
+def test_decode_step_needs_a_loop_that_reads_the_head(one_gpu):
+    text = _text(one_gpu, lambda x: jax.lax.fori_loop(0, 3, lambda i, y: y * 2, x), ((64,), jnp.float32))
+    with pytest.raises(ValueError, match="no loop of the program reads a 1000 × 64 head"):
+        gpu_cost.decode_step(text, vocab_size=1000, hidden_size=64)
+
+
+def test_bitonic_sort_kernels_follow_xlas_grouping():
+    # A tile of 4096 elements (1024 threads × 4) holds every stage of a 4096-long sort: one kernel.
+    assert gpu_cost._bitonic_kernels(4096, 4) == 1
+    # 2^15 f32 keys: stages 0..14; masks ≥ the 4096 tile run alone (stage s has s - 11 of them for
+    # s ≥ 12), the smaller ones of each stage as one tiled kernel.
+    assert gpu_cost._bitonic_kernels(1 << 15, 4) == 1 + sum((s - 11) + 1 for s in range(12, 15))
+
+
+# ----------------------------------------------------------------------------------------------
+# The kernel rule against XLA's own thunk sequence
+# ----------------------------------------------------------------------------------------------
+_THUNK = re.compile(r"^(\s*)\d+: (k[A-Za-z0-9]+)")
+# Control flow and its waits; an async start lists the collective it starts beneath it.
+_NOT_A_LAUNCH = {"kWhile", "kConditional", "kCommandBuffer", "kSequential", "kWaitForStreams",
+                 "kAsyncStart"}
+
+
+def thunk_launches(sequence: str) -> int:
+    """Launches in XLA:GPU's dumped thunk sequence (before its thunk passes form command
+    buffers), each listed thunk once: kernels, memcpys, library calls, collectives. A
+    dynamic-slice fusion lists the memcpy it wraps beneath it: one launch. A "Done" thunk
+    waits."""
+    launches, wrapper_indent = 0, None
+    for line in sequence.splitlines():
+        match = _THUNK.match(line)
+        if match is None:
+            continue
+        indent, kind = len(match.group(1)), match.group(2)
+        if wrapper_indent is not None and indent > wrapper_indent:
+            continue
+        wrapper_indent = indent if kind == "kDynamicSliceFusion" else None
+        launches += kind not in _NOT_A_LAUNCH and not kind.endswith("Done")
+    return launches
+
+
+_VALUE = re.compile(r"^\s*value: <\d+ (\S+?)(\{[\d,]*\})?(?: \(\w+\))? @\d+> \(size=\d+,offset=(\d+)\)")
+
+
+def buffer_slices(assignment: str) -> dict[str, tuple[int, int]]:
+    """Each value's (allocation, offset) in XLA's dumped buffer assignment, by "name{index}"."""
+    slices, allocation = {}, None
+    for line in assignment.splitlines():
+        if line.startswith("allocation "):
+            allocation = int(line.split()[1].rstrip(":"))
+        match = _VALUE.match(line)
+        if match and allocation is not None:
+            slices.setdefault(match.group(1) + (match.group(2) or "{}"), (allocation, int(match.group(3))))
+    return slices
+
+
+def in_place_claims(program: gpu_cost.Program, slices) -> list[bool]:
+    """For each update the reader counts as in place: whether XLA gave the fusion's output the
+    buffer of the operand it updates (so the emitter writes the update alone)."""
+    out = []
+    for computation, fusion, number, name in program.in_place_updates():
+        index = []   # the operand's value: a get-tuple-element names its tuple's value at an index
+        while (operand := program.module.instruction(computation, name)).opcode in (
+                "get-tuple-element", "bitcast"):
+            if operand.opcode == "get-tuple-element":
+                index.insert(0, re.search(r"index=(\d+)", operand.attributes).group(1))
+            name = operand.operands[0]
+        roots = program.module.instruction(computation, fusion).shape
+        output = slices[fusion + (f"{{{number}}}" if len(roots) > 1 else "{}")]
+        out.append(output == slices[f"{name}{{{','.join(index)}}}"])
+    return out
+
+
+@pytest.mark.parametrize("top_p, gpus", [(1.0, 1), (0.9, 1), (1.0, 8)])
+def test_kernels_match_xlas_thunk_sequence_for_the_tiny_sampler(top_p, gpus, tmp_path):
+    """The sampler's generate for the tiny config (prefill, the token loop, the layer scans; with
+    top_p < 1 a full-vocabulary sort per token; over 8 GPUs, FSDP's collectives, some async):
+    every launch XLA:GPU emitted, one by one."""
+    from configs import tiny
+    from logra_jax.perf import memory
+    from logra_jax.rl.build import build_mesh
+
+    config = tiny.get_config()
+    config.rl.top_p = top_p
+    mesh = build_mesh({"fsdp": gpus, "tensor": 1}, machines.machine("h200-8").jax_devices()[:gpus])
+    lowered = memory.lower_generate(config, mesh, rows=8, decode_weights="stacked").lowered
+    compiled = lowered.compile(compiler_options={
+        **machines.XLA_GPU_OPTIONS, "xla_dump_to": str(tmp_path), "xla_dump_hlo_as_text": True,
+        "xla_dump_hlo_module_re": ".*generate.*"})
+    (sequence,) = tmp_path.glob("*generate*thunk_sequence.txt")
+    program = gpu_cost.Program(compiled.as_text())
+    assert program.launch_sites() == thunk_launches(sequence.read_text())
+    # The KV-cache writes (and the token buffers') counted as in place are: XLA's buffer
+    # assignment gives each the buffer of the array it updates.
+    (assignment,) = tmp_path.glob("*generate*after_optimizations-buffer-assignment.txt")
+    claims = in_place_claims(program, buffer_slices(assignment.read_text()))
+    assert len(claims) >= 4 and all(claims)
+    # Per token, the nucleus filter sorts the vocabulary (the prompt's argsort runs once, before).
+    step = gpu_cost.decode_step(program, vocab_size=49152, hidden_size=config.model.tiny.hidden_size,
+                                shards=gpus)
+    assert ("sort (bitonic)" in step.kernels_by_kind()) == (top_p < 1)
+
+
+# ----------------------------------------------------------------------------------------------
+# The seconds per kernel and the program they were measured on
+# ----------------------------------------------------------------------------------------------
+def test_seconds_per_kernel_come_from_the_measured_programs_kernel_counts():
+    """gpu_cost.CALIBRATION's kernel counts are this reader's count of the H200 run's program
+    (SmolLM2-135M's shape, 30 layers, batch 1; `launch.cost --calibrate` compiles it whole).
+    Here it is compiled at 3 and 4 layers and extended to 30 by the per-layer difference (from 3
+    layers on, XLA's count grows by the same amount per layer)."""
+    from configs import default
+    from logra_jax.perf import gpu_programs
+    from logra_jax.rl.build import build_mesh
+
+    config = default.get_config()
+    config.model.update(source="tiny", dtype="bfloat16", param_dtype="bfloat16")
+    config.model.tiny.update(hidden_size=576, num_heads=9, num_kv_heads=3, head_dim=64,
+                             intermediate_size=1536, max_position_embeddings=2048)
+    config.rl.update(max_prompt_length=64, max_completion_length=128, rollout_micro_batch=0)
+    mesh = build_mesh({"fsdp": 1, "tensor": 1}, machines.machine("h200-8").jax_devices()[:1])
+    for mode, kernels in gpu_cost.CALIBRATION["kernels_per_token"].items():
+        three, four = (gpu_programs.decode_step(gpu_programs.with_layers(config, n), mesh, 1, mode)[0].kernels
+                       for n in (3, 4))
+        assert three + 27 * (four - three) == kernels, mode
+    tokens_per_s = gpu_cost.CALIBRATION["measured_tokens_per_s"]
+    per_kernel = [1 / (tokens_per_s[m] * k) for m, k in gpu_cost.CALIBRATION["kernels_per_token"].items()]
+    assert gpu_cost.SECONDS_PER_KERNEL == pytest.approx(sum(per_kernel) / 2)
+    assert 1.7e-6 < gpu_cost.SECONDS_PER_KERNEL < 2.0e-6
+
+
+# ----------------------------------------------------------------------------------------------
+# launch.cost, and the issue's bounds at a small layer count
+# ----------------------------------------------------------------------------------------------
+REPO = Path(__file__).resolve().parents[1]
+# Qwen2.5-1.5B's layer shape (configs/qwen2_5_1_5b.py's model) at 3 layers, on the tiny source
+# (tiny's vocabulary of 49,152 instead of 151,936), one GPU. Per layer, launch.cost reads the step
+# at 4 layers less the step at 3.
+QWEN_3_LAYERS = ("--config.model.source=tiny", "--config.model.tiny.num_layers=3",
+                 "--config.model.tiny.hidden_size=1536", "--config.model.tiny.num_heads=12",
+                 "--config.model.tiny.num_kv_heads=2", "--config.model.tiny.head_dim=128",
+                 "--config.model.tiny.intermediate_size=8960", "--config.model.tiny.qkv_bias=true",
+                 "--config.model.tiny.rope_theta=1000000.0", "--config.model.tiny.rms_norm_eps=1e-6",
+                 "--config.model.tiny.max_position_embeddings=32768")
+
+
+def _cost_cli(*args, json_path=None):
+    command = [sys.executable, "-m", "launch.cost", *args]
+    if json_path is not None:
+        command += ["--json", str(json_path)]
+    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def qwen_plan(tmp_path_factory):
+    """`launch.cost` on the Qwen2.5-1.5B config at 3 layers, one H200, batches 1 and 64, the
+    decode mode a plan compiles."""
+    out = tmp_path_factory.mktemp("cost") / "cost.json"
+    result = _cost_cli("--config", "configs/qwen2_5_1_5b.py", "--target", "h200-8",
+                       "--mesh", "fsdp=1,tensor=1", "--batches", "1,64", "--modes", "default",
+                       *QWEN_3_LAYERS, json_path=out)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout, json.loads(out.read_text())
+
+
+def test_launch_cost_reports_every_figure(qwen_plan):
+    stdout, plan = qwen_plan
+    assert plan["compiler"].startswith(f"XLA:GPU deviceless, jax-cuda12-plugin {machines.plugin_version()} "
+                                       f"(jax {jax.__version__}")
+    assert stdout.startswith("compiler: XLA:GPU deviceless") and "NVIDIA H200" in stdout.splitlines()[0]
+    assert [d["batch"] for d in plan["decode"]] == [1, 64]
+    assert all(d["default"] and d["mode"] == plan["decode_weights_plan"] for d in plan["decode"])
+    for d in plan["decode"]:
+        for field in ("kernels_per_token", "kernels_per_layer", "bytes_per_token",
+                      "floor_bytes_per_token", "host_syncs_per_token", "predicted_tokens_per_s"):
+            assert d[field] > 0, (d["batch"], d["mode"], field)
+        # The floor: the bf16 weights and the rows' KV cache (3 layers × rows × 1,024 slots ×
+        # 2 KV heads × 128 × K and V × 2 bytes).
+        assert d["kv_cache_bytes"] == 3 * d["batch"] * 1024 * 2 * 128 * 2 * 2
+        assert d["floor_bytes_per_token"] == d["weight_bytes"] + d["kv_cache_bytes"]
+        seconds = max(d["bytes_per_token"] / plan["bandwidth"],
+                      d["kernels_per_token"] * plan["seconds_per_kernel"])
+        assert d["predicted_tokens_per_s"] == pytest.approx(d["batch"] / seconds)
+        assert sum(d["kernels_by_kind"].values()) == pytest.approx(d["kernels_per_token"])
+    for name in ("logra", "adamw"):
+        update = plan["update"][name]
+        assert update["kernels"] > 0 and update["bytes"] > 0 and update["matmul_flops"] > 0
+    assert plan["generate"]["temp_bytes"] > 0 and plan["generate"]["kv_cache_bytes"] > 0
+
+
+def _default_decode(plan, batch):
+    (entry,) = [d for d in plan["decode"] if d["batch"] == batch and d["default"]]
+    return entry
+
+
+# What decoding at the floor and a batched optimizer mean on a GPU, in the decode mode a GPU plan
+# compiles by default: the bytes a step must read and little more, few kernels per layer, the host
+# left alone for 16 tokens at a time; LoGRA's update no costlier in launches or bytes than AdamW's.
+# A stacked decode step that rewrites the cache stack and copies weights out of it, a token loop
+# that syncs every token, an optimizer that loops over the layers fail them.
+def test_decode_at_batch_1_moves_at_most_1_10_times_the_floor(qwen_plan):
+    d = _default_decode(qwen_plan[1], 1)
+    assert d["bytes_over_floor"] <= 1.10, d["bytes_by_kind"]
+
+
+def test_decode_launches_at_most_10_kernels_per_layer(qwen_plan):
+    d = _default_decode(qwen_plan[1], 1)
+    assert d["kernels_per_layer"] <= 10, d["kernels_by_kind"]
+
+
+def test_decode_syncs_the_host_at_most_once_per_16_tokens(qwen_plan):
+    d = _default_decode(qwen_plan[1], 1)
+    assert d["host_syncs_per_token"] <= 1 / 16
+
+
+def test_decode_at_batch_64_moves_at_most_1_25_times_the_floor(qwen_plan):
+    d = _default_decode(qwen_plan[1], 64)
+    assert d["bytes_over_floor"] <= 1.25, d["bytes_by_kind"]
+
+
+def test_logra_update_launches_at_most_1_2_times_adamws_kernels(qwen_plan):
+    update = qwen_plan[1]["update"]
+    assert update["logra"]["kernels"] <= 1.2 * update["adamw"]["kernels"], (
+        update["logra"]["kernels_by_kind"], update["adamw"]["kernels_by_kind"])
+
+
+def test_logra_update_moves_no_more_bytes_than_adamw(qwen_plan):
+    update = qwen_plan[1]["update"]
+    assert update["logra"]["bytes"] <= update["adamw"]["bytes"]
+
+
+@pytest.mark.parametrize("args, cause", [
+    (("--target", "v5p-16"), "launch.cost reads XLA:GPU programs and has no model of what the TPU compiler"),
+    (("--target", "cpu"), "no model of what XLA:CPU launches"),
+    (("--target", "h300-8"), "unknown target 'h300-8'"),
+    (("--target", "h200-8", "--batches", "1,zero"), "--batches 1,zero: expected positive integers"),
+    (("--target", "h200-8", "--modes", "fast"), "--modes fast: expected some of"),
+])
+def test_bad_input_is_one_error_line(args, cause):
+    result = _cost_cli("--config", "configs/tiny.py", *args)
+    assert result.returncode != 0
+    assert result.stderr.strip().splitlines()[-1].startswith("error: ")
+    assert cause in result.stderr.strip().splitlines()[-1], result.stderr[-500:]
