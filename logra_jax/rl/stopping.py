@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import sys
 import threading
 from typing import Iterator
 
@@ -42,6 +43,10 @@ class StopRequest:
         self.signum: int | None = None
         self._deferring = False
         self._looped = False   # a loop ran: from then on no signal raises Interrupted
+        # The signal that raised Interrupted before the loop: Python drops an exception raised
+        # where the handler happened to run inside a finalizer or a gc callback (it prints
+        # "Exception ignored in ..." and goes on), so the loop raises it again as it starts.
+        self._before_loop: int | None = None
         self._previous: dict[int, object] = {}
 
     def install(self) -> "StopRequest":
@@ -61,6 +66,7 @@ class StopRequest:
     def _handle(self, signum, frame):
         del frame
         if not (self._deferring or self._looped):
+            self._before_loop = signum
             raise Interrupted(signum)
         self.signum = signum
         for s in SIGNALS:   # a second signal stops at once
@@ -74,7 +80,10 @@ class StopRequest:
 
     @contextlib.contextmanager
     def deferred(self) -> Iterator["StopRequest"]:
-        """The training loop: a signal asks it to stop after its step (``self.signum`` is set)."""
+        """The training loop: a signal asks it to stop after its step (``self.signum`` is set).
+        A signal that came before, and whose `Interrupted` was lost, stops the run here."""
+        if self._before_loop is not None:
+            raise Interrupted(self._before_loop)
         self.signum, self._deferring, self._looped = None, True, True
         self.install()
         try:
@@ -88,11 +97,21 @@ _installed: StopRequest | None = None
 
 
 def install() -> StopRequest:
-    """Installs the process's handlers (a command calls it first thing in ``main``)."""
+    """Installs the process's handlers (a command calls it first thing in ``main``), and keeps an
+    `Interrupted` that Python drops (raised inside a finalizer or a gc callback) from printing
+    its traceback: the loop raises it again (`StopRequest.deferred`)."""
     global _installed
     if _installed is None:
         _installed = StopRequest()
+        sys.unraisablehook = _quiet_about_interruptions(sys.unraisablehook)
     return _installed.install()
+
+
+def _quiet_about_interruptions(hook):
+    def unraisable(info):
+        if not isinstance(info.exc_value, Interrupted):
+            hook(info)
+    return unraisable
 
 
 def reinstall() -> None:
