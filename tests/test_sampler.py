@@ -55,11 +55,15 @@ def test_greedy_with_cache_equals_recompute(setup):
     assert bool(np.all(out.mask))
 
 
-def test_sampled_logprobs_are_the_models(setup):
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sampled_logprobs_are_the_models(setup, temperature):
+    """The sampler's log-probs are the trainer's at the same temperature (at 1 the model's own; a
+    sampler that left out the temperature would still pass at 1)."""
     policy, params, sampler, _, tokens, mask = setup
-    out = sampler.generate(params, tokens, mask, jax.random.PRNGKey(1), temperature=1.0, top_p=1.0)
+    out = sampler.generate(params, tokens, mask, jax.random.PRNGKey(1), temperature=temperature,
+                           top_p=1.0)
     seqs = Sequences.from_sample(out.prompt_tokens, out.prompt_mask, out.tokens, out.mask)
-    logp, _ = policy.completion_logprobs(params, seqs)
+    logp, _ = policy.completion_logprobs(params, seqs, temperature=temperature)
     np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(logp) * np.asarray(out.mask),
                                atol=1e-5)
 
@@ -215,7 +219,7 @@ def test_rows_stay_split_over_the_params_mesh():
     shape two MLP intermediates of all rows, 2.3 GiB each per TPU chip on any number of chips.
     On XLA:CPU's simulated devices XLA's own layout is kept (the faster one there)."""
     from jax.sharding import NamedSharding, PartitionSpec
-    from logra_jax.perf import tpu
+    from logra_jax.perf import machines
     from logra_jax.sharding import make_mesh, shard_model
     mesh = make_mesh({"fsdp": 8})
     model = shard_model(Decoder(tiny(), rngs=nnx.Rngs(0)), mesh)
@@ -236,7 +240,7 @@ def test_rows_stay_split_over_the_params_mesh():
     assert 2 * split < whole, (split, whole)
     # Which mesh generate traces under: the chips' for a TPU slice's devices, none on XLA:CPU.
     assert Sampler.mesh_of(params, tokens) is None
-    chips = make_mesh({"fsdp": 8}, tpu.devices(tpu.target("v5e-8")))
+    chips = make_mesh({"fsdp": 8}, machines.machine("v5e-8").jax_devices())
     on_chips = jax.ShapeDtypeStruct(tokens.shape, tokens.dtype,
                                     sharding=NamedSharding(chips, PartitionSpec("fsdp")))
     assert Sampler.mesh_of({}, on_chips) == chips.abstract_mesh
