@@ -35,6 +35,7 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 Distribution = Literal["rademacher", "gaussian", "rademacher_threefry"]
 DISTRIBUTIONS: tuple[str, ...] = ("rademacher", "gaussian", "rademacher_threefry")
@@ -65,19 +66,55 @@ def projection_keys(seed: int, path: str, update_index: jax.Array | int,
         return keys.reshape(stack_shape + keys.shape[1:])
 
 
+def projection_keys_of(seed: int, targets: dict[str, tuple[int, ...]],
+                       update_index: jax.Array | int) -> dict[str, jax.Array]:
+    """{path: projection_keys(seed, path, update_index, stack_shape)} for every target at once.
+
+    The same keys, bit for bit (threefry is integer arithmetic, so batching it changes nothing),
+    from one batched fold_in of k over all targets and one over all their layers: a compiled
+    program then derives the keys of every target in a couple of kernels rather than a few per
+    target (XLA:GPU launches each separately).
+    """
+    paths = list(targets)
+    if not paths:
+        return {}
+    with jax.named_scope("logra_projection"):
+        ids = jnp.asarray([layer_id(path) for path in paths], jnp.uint32)
+        index = jnp.asarray(update_index, jnp.uint32)
+        base = jax.vmap(lambda i: jax.random.fold_in(
+            jax.random.fold_in(jax.random.PRNGKey(seed), i), index))(ids)            # (T, 2)
+        # Layers per target; an unstacked target's key is its base key (no layer folded in).
+        sizes = [math.prod(targets[path]) if targets[path] else 0 for path in paths]
+        owner = np.repeat(np.arange(len(paths)), sizes)
+        layer = np.concatenate([np.arange(n, dtype=np.uint32) for n in sizes])
+        layered = (jax.vmap(jax.random.fold_in)(base[owner], jnp.asarray(layer)) if len(layer)
+                   else base[:0])
+        keys, start = {}, 0
+        for t, path in enumerate(paths):
+            stack = tuple(targets[path])
+            if not stack:
+                keys[path] = base[t]
+                continue
+            keys[path] = layered[start:start + sizes[t]].reshape(stack + base.shape[1:])
+            start += sizes[t]
+        return keys
+
+
 def projection_parts(key: jax.Array, rank: int, in_dim: int,
-                     distribution: Distribution = "rademacher") -> tuple[jax.Array, jax.Array]:
+                     distribution: Distribution = "rademacher",
+                     words: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """(unit, scale) with A = unit·scale: unit (rank, in_dim) holds ±1 or N(0, 1) draws, scale = 1/√r.
 
     The merge (low_rank.order_free_matmul) uses the parts: a ±1 matrix has one significant bit,
-    which is what lets it multiply without rounding.
+    which is what lets it multiply without rounding. ``words``: ``hash_words(key)``, if already
+    derived (a "rademacher" A only).
     """
     if distribution not in DISTRIBUTIONS:
         raise ValueError(f"distribution must be one of {DISTRIBUTIONS}, got {distribution!r}")
     # Named for profiles (logra_jax/perf/profiling.py): where regenerating A costs time.
     with jax.named_scope("logra_projection"):
         if distribution == "rademacher":
-            bits = hashed_bits(key, (rank, in_dim))
+            bits = hashed_bits(key, (rank, in_dim), words)
             unit = jnp.where(bits >> 31 == 0, 1.0, -1.0).astype(jnp.float32)
         elif distribution == "rademacher_threefry":
             unit = jax.random.rademacher(key, (rank, in_dim), dtype=jnp.float32)
@@ -96,17 +133,25 @@ def _mix32(x: jax.Array) -> jax.Array:
     return x ^ (x >> 15)
 
 
-def hashed_bits(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+def hashed_bits(key: jax.Array, shape: tuple[int, ...], words: jax.Array | None = None) -> jax.Array:
     """uint32 random bits of ``shape``: the entry at row-major position c is
-    mix(mix(c ⊕ s₀) ⊕ s₁), (s₀, s₁) = two threefry words of ``key`` (for (rows, cols): c = a·cols + j)."""
+    mix(mix(c ⊕ s₀) ⊕ s₁), (s₀, s₁) = `hash_words` of ``key`` (for (rows, cols): c = a·cols + j)."""
     check_counter_range(shape)
-    return hash_positions(key, jax.lax.iota(jnp.uint32, math.prod(shape)).reshape(shape))
+    return hash_positions(key, jax.lax.iota(jnp.uint32, math.prod(shape)).reshape(shape), words)
 
 
-def hash_positions(key: jax.Array, positions: jax.Array) -> jax.Array:
+def hash_words(key: jax.Array) -> jax.Array:
+    """(s₀, s₁), uint32 (2,): the two threefry words of ``key`` that `hash_positions` mixes in.
+    Derived ahead for many keys at once (vmapped), they spare a program one small threefry
+    kernel per A it regenerates (XLA:GPU launches each; inside a layer loop, once per layer)."""
+    return jax.random.bits(key, (2,), jnp.uint32)
+
+
+def hash_positions(key: jax.Array, positions: jax.Array, words: jax.Array | None = None) -> jax.Array:
     """The bits `hashed_bits` gives the entries at row-major ``positions`` (uint32, any shape):
-    for an array laid out in another order than the one its bits are defined in."""
-    s = jax.random.bits(key, (2,), jnp.uint32)
+    for an array laid out in another order than the one its bits are defined in. ``words``:
+    ``hash_words(key)``, if already derived."""
+    s = hash_words(key) if words is None else words
     return _mix32(_mix32(positions ^ s[0]) ^ s[1])
 
 
@@ -119,9 +164,10 @@ def check_counter_range(shape: tuple[int, ...]) -> None:
 
 
 def projection(key: jax.Array, rank: int, in_dim: int, distribution: Distribution = "rademacher",
-               dtype=jnp.float32) -> jax.Array:
-    """A of shape (rank, in_dim) with E[AᵀA] = I: entries ±1/√r or N(0, 1/r)."""
-    unit, scale = projection_parts(key, rank, in_dim, distribution)
+               dtype=jnp.float32, words: jax.Array | None = None) -> jax.Array:
+    """A of shape (rank, in_dim) with E[AᵀA] = I: entries ±1/√r or N(0, 1/r). ``words``:
+    ``hash_words(key)``, if already derived."""
+    unit, scale = projection_parts(key, rank, in_dim, distribution, words)
     return (unit * scale).astype(dtype)
 
 
@@ -195,6 +241,7 @@ class SketchProbe:
     factor: jax.Array
     distribution: str = dataclasses.field(default="rademacher", metadata=dict(static=True))
     factor_is_zero: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    words: jax.Array | None = None   # hash_words of each key, derived ahead ("rademacher" only)
 
     tree_path_leaf = True  # one leaf for tree_paths.leaves_with_paths, not its key and factor
 
@@ -203,4 +250,4 @@ class SketchProbe:
         return self.factor.shape[-1]
 
     def projection(self, in_dim: int, dtype=jnp.float32) -> jax.Array:
-        return projection(self.key, self.rank, in_dim, self.distribution, dtype)
+        return projection(self.key, self.rank, in_dim, self.distribution, dtype, self.words)

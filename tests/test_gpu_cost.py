@@ -217,7 +217,7 @@ def in_place_claims(program: gpu_cost.Program, slices) -> list[bool]:
 @pytest.mark.parametrize("top_p, gpus", [(1.0, 1), (0.9, 1), (1.0, 8)])
 def test_kernels_match_xlas_thunk_sequence_for_the_tiny_sampler(top_p, gpus, tmp_path):
     """The sampler's generate for the tiny config (prefill, the token loop, the layer scans; with
-    top_p < 1 a full-vocabulary sort per token; over 8 GPUs, FSDP's collectives, some async):
+    top_p < 1 a top-k candidate set per token; over 8 GPUs, FSDP's collectives, some async):
     every launch XLA:GPU emitted, one by one."""
     from configs import tiny
     from logra_jax.perf import memory
@@ -238,10 +238,11 @@ def test_kernels_match_xlas_thunk_sequence_for_the_tiny_sampler(top_p, gpus, tmp
     (assignment,) = tmp_path.glob("*generate*after_optimizations-buffer-assignment.txt")
     claims = in_place_claims(program, buffer_slices(assignment.read_text()))
     assert len(claims) >= 4 and all(claims)
-    # Per token, the nucleus filter sorts the vocabulary (the prompt's argsort runs once, before).
+    # No token sorts the vocabulary, top-p or not: the nucleus is taken among the top-k
+    # candidates (the prompt's argsort runs once, before the token loop).
     step = gpu_cost.decode_step(program, vocab_size=49152, hidden_size=config.model.tiny.hidden_size,
                                 shards=gpus)
-    assert ("sort (bitonic)" in step.kernels_by_kind()) == (top_p < 1)
+    assert "sort (bitonic)" not in step.kernels_by_kind()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -249,9 +250,12 @@ def test_kernels_match_xlas_thunk_sequence_for_the_tiny_sampler(top_p, gpus, tmp
 # ----------------------------------------------------------------------------------------------
 def test_seconds_per_kernel_come_from_the_measured_programs_kernel_counts():
     """gpu_cost.CALIBRATION's kernel counts are this reader's count of the H200 run's program
-    (SmolLM2-135M's shape, 30 layers, batch 1; `launch.cost --calibrate` compiles it whole).
-    Here it is compiled at 3 and 4 layers and extended to 30 by the per-layer difference (from 3
-    layers on, XLA's count grows by the same amount per layer)."""
+    (SmolLM2-135M's shape, 30 layers, batch 1), the sampler of main at 2259830 that the run
+    executed, a token loop synced every token. Today's sampler compiles a different program for
+    that run (16-token chunks, the cache written in place); it must launch no more than that
+    one in either mode, or the calibration's per-kernel time would no longer bound it. It is
+    compiled at 3 and 4 layers and extended to 30 by the per-layer difference (from 3 layers
+    on, XLA's count grows by the same amount per layer)."""
     from configs import default
     from logra_jax.perf import gpu_programs
     from logra_jax.rl.build import build_mesh
@@ -265,7 +269,7 @@ def test_seconds_per_kernel_come_from_the_measured_programs_kernel_counts():
     for mode, kernels in gpu_cost.CALIBRATION["kernels_per_token"].items():
         three, four = (gpu_programs.decode_step(gpu_programs.with_layers(config, n), mesh, 1, mode)[0].kernels
                        for n in (3, 4))
-        assert three + 27 * (four - three) == kernels, mode
+        assert three + 27 * (four - three) <= kernels, mode
     tokens_per_s = gpu_cost.CALIBRATION["measured_tokens_per_s"]
     per_kernel = [1 / (tokens_per_s[m] * k) for m, k in gpu_cost.CALIBRATION["kernels_per_token"].items()]
     assert gpu_cost.SECONDS_PER_KERNEL == pytest.approx(sum(per_kernel) / 2)
@@ -384,3 +388,55 @@ def test_bad_input_is_one_error_line(args, cause):
     assert result.returncode != 0
     assert result.stderr.strip().splitlines()[-1].startswith("error: ")
     assert cause in result.stderr.strip().splitlines()[-1], result.stderr[-500:]
+
+
+def test_a_default_decode_step_writes_its_cache_slot_in_place_and_sorts_nothing():
+    """The tiny config's decode step as XLA:GPU compiles it for one H200 in the mode a GPU plan
+    compiles by default, with top-p: no launch of the token loop writes as much as one layer's K
+    or V cache (the cache is updated in place: a layer scan that stacked every layer's cache as
+    its output rewrote it whole every token), and no sort runs (top-p chooses among the top-k
+    candidates instead of sorting the vocabulary)."""
+    from configs import tiny
+    from logra_jax import model_shapes
+    from logra_jax.perf import gpu_programs, memory
+    from logra_jax.rl.build import build_mesh
+    config = tiny.get_config()
+    config.rl.top_p, config.rl.rollout_micro_batch = 0.9, 0
+    # A cache of 4 rows × 4,096 slots: each layer's K outweighs the step's logits (4 × 49,152 f32).
+    config.rl.max_completion_length = 4096 - config.rl.max_prompt_length
+    config.model.tiny.max_position_embeddings = 4096
+    mesh = build_mesh({"fsdp": 1, "tensor": 1}, machines.machine("h200-8").jax_devices()[:1])
+    rows = 4
+    mode = gpu_programs.default_decode_mode(config, mesh, rows)
+    generate = memory.lower_generate(config, mesh, rows=rows, decode_weights=mode)
+    text = generate.lowered.compile(compiler_options=machines.compiler_options_for(mesh)).as_text()
+    model = model_shapes.model_config_from(config.model)
+    step = gpu_cost.decode_step(text, vocab_size=model.vocab_size, hidden_size=model.hidden_size)
+    slots = config.rl.max_prompt_length + config.rl.max_completion_length
+    layer_k = memory.kv_cache_bytes(model, rows, slots, mesh) / (2 * model.num_layers)
+    written = max(launch.written for launch, _ in step.trip.launches.values())
+    assert written < layer_k, (mode, step.trip.largest(3))
+    assert not any("sort" in kind for kind in step.kernels_by_kind()), step.kernels_by_kind()
+
+
+def test_peak_breakdown_of_generate_adds_up_to_xlas_memory_analysis(tmp_path):
+    """`hlo_dump.peak_breakdown` of the sampler's generate, as XLA:GPU compiles it for one H200:
+    its labels add up to the memory analysis (arguments + outputs − aliased + temporaries). Read
+    from XLA's list of the values live at its peak (the live-range file), it left out a loop's
+    carried values where another copy of them filled an allocation."""
+    from configs import tiny
+    from logra_jax.perf import hlo_dump, memory
+    from logra_jax.rl.build import build_mesh
+
+    config = tiny.get_config()
+    config.rl.rollout_micro_batch = 0
+    mesh = build_mesh({"fsdp": 1, "tensor": 1}, machines.machine("h200-8").jax_devices()[:1])
+    lowered = memory.lower_generate(config, mesh, rows=8, decode_weights="stacked").lowered
+    compiled = lowered.compile(compiler_options={
+        **machines.XLA_GPU_OPTIONS, "xla_dump_to": str(tmp_path), "xla_dump_hlo_as_text": True,
+        "xla_dump_hlo_module_re": ".*generate.*"})
+    total, entries = hlo_dump.peak_breakdown(tmp_path, module="generate")
+    m = compiled.memory_analysis()
+    assert total == (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+                     + m.temp_size_in_bytes)
+    assert total == sum(size for _, size in entries)

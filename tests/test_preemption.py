@@ -16,12 +16,8 @@ from logra_jax import metrics
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # The KL variant on the tiny config: REINFORCE's failure reward moves the weights every step.
-# Sampled at temperature 0.7: the sampler's log-probs and the trainer's are both taken at T, so
-# REINFORCE's rollout_mismatch (their mean gap) stays at rounding level, as at T = 1.
-TEMPERATURE = 0.7
 ARGS = ["--config", "configs/tiny.py", "--config.optimizer.logra.variant=kl",
         "--config.rl.algorithm=reinforce", "--config.checkpoint.every=1000",
-        f"--config.rl.temperature={TEMPERATURE}",
         "--config.log.progress=False", "--config.log.tensorboard=False"]
 
 
@@ -79,10 +75,7 @@ def test_sigterm_and_sigint_save_the_step_and_the_same_command_resumes(tmp_path)
     assert f"\nresumed from {tmp_path / 'checkpoints'} at step {first}\n" in f"\n{stderr}", stderr
     assert not ABSL_LINE.search(stderr), stderr[-2000:]
     assert second > first
-    rows = _rows(tmp_path)
-    assert [r["step"] for r in rows] == list(range(1, second + 1))
-    # The sampler and the trainer agree at T = 0.7 (a sampler whose log-probs ignored T: ~1e-2).
-    assert all(abs(r["rollout_mismatch"]) < 1e-4 for r in rows), [r["rollout_mismatch"] for r in rows]
+    assert [r["step"] for r in _rows(tmp_path)] == list(range(1, second + 1))
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])

@@ -57,8 +57,8 @@ def test_greedy_with_cache_equals_recompute(setup):
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_sampled_logprobs_are_the_models(setup, temperature):
-    """The sampler's log-probs are the trainer's at the same temperature (at 1 the model's own; a
-    sampler that left out the temperature would still pass at 1)."""
+    """The sampler's log-probs are the trainer's at the sampling temperature: log softmax(z / T)
+    at the drawn token (a sampler returning temperature-1 log-probs fails at 0.7)."""
     policy, params, sampler, _, tokens, mask = setup
     out = sampler.generate(params, tokens, mask, jax.random.PRNGKey(1), temperature=temperature,
                            top_p=1.0)
@@ -355,3 +355,94 @@ def test_sampler_bench_compares_decode_modes_side_by_side():
                           "--decode_weights", "unrolled"], cwd=root, capture_output=True, text=True,
                          timeout=600)
     assert bad.returncode != 0 and "--decode_weights ['unrolled']" in bad.stderr
+
+
+def test_nucleus_over_candidates_draws_the_full_sorts_tokens_where_it_fits():
+    """top-p over the TOP_P_CANDIDATES most probable tokens (`truncation`), not a sort of the whole
+    vocabulary: where the nucleus has at most that many tokens, the same kept set as
+    `filter_logits` and the same draw as `gumbel_max` of its output, for every row and key; with
+    top_k, the nucleus of the top-k-renormalized distribution, as there."""
+    from logra_jax.rl.sampler import TOP_P_CANDIDATES, truncated_draw, truncation
+    rng = np.random.default_rng(0)
+    # Peaked rows (a few large logits over a flat rest): every nucleus below fits the candidates.
+    logits = rng.normal(size=(32, 300)).astype(np.float32)
+    logits[:, :12] += rng.uniform(8.0, 12.0, size=(32, 12)).astype(np.float32)
+    logits = jnp.asarray(rng.permuted(logits, axis=1))
+    rows = jnp.arange(32, dtype=jnp.int32) + 5
+    for top_k, top_p in [(0, 0.9), (0, 0.5), (8, 0.8), (5, 1.0), (40, 0.95)]:
+        kept = np.asarray(filter_logits(logits, top_k, top_p)) > -1e29
+        values, ids, keep = truncation(logits, top_k, top_p)
+        assert keep.shape[1] == max(top_k, TOP_P_CANDIDATES if top_p < 1 else 0)
+        mine = np.zeros_like(kept)
+        np.put_along_axis(mine, np.asarray(ids), np.asarray(keep), axis=1)
+        np.testing.assert_array_equal(mine, kept, err_msg=f"top_k={top_k}, top_p={top_p}")
+        assert kept.sum(axis=1).max() < keep.shape[1] or top_p == 1.0   # it did fit
+        for seed in range(3):
+            key = jax.random.PRNGKey(seed)
+            np.testing.assert_array_equal(
+                truncated_draw(key, logits, top_k, top_p, rows=rows),
+                gumbel_max(key, filter_logits(logits, top_k, top_p), rows=rows))
+
+
+def test_a_nucleus_wider_than_the_candidates_is_capped_there():
+    """A flat row: the full sort's 0.9-nucleus of 300 near-equal tokens holds most of them, the
+    candidate set TOP_P_CANDIDATES, and all of those are kept (the documented cap) and drawn;
+    equal logits enter it lowest id first."""
+    from logra_jax.rl.sampler import TOP_P_CANDIDATES, truncated_draw, truncation
+    logits = jnp.linspace(0.0, -0.3, 300, dtype=jnp.float32)[None]
+    assert int((np.asarray(filter_logits(logits, 0, 0.9)) > -1e29).sum()) > 10 * TOP_P_CANDIDATES
+    values, ids, keep = truncation(logits, 0, 0.9)
+    assert bool(keep.all()) and keep.shape == (1, TOP_P_CANDIDATES)
+    assert np.asarray(ids[0]).tolist() == list(range(TOP_P_CANDIDATES))
+    draws = {int(truncated_draw(jax.random.PRNGKey(s), logits, 0, 0.9)[0]) for s in range(200)}
+    assert draws == set(range(TOP_P_CANDIDATES))
+    _, tied, _ = truncation(jnp.zeros((1, 300), jnp.float32), 0, 0.9)
+    assert np.asarray(tied[0]).tolist() == list(range(TOP_P_CANDIDATES))
+
+
+def test_chunked_decoding_draws_the_per_token_loops_tokens(setup, monkeypatch):
+    """A GPU decodes DECODE_CHUNK steps between two looks at "is a row still going?"
+    (`Sampler`'s in_chunks); run here on XLA:CPU, it records exactly what the per-token loop
+    records: rows ending at different steps, a row that never ends, a call stopped early
+    (``limit``), a completion shorter than one chunk."""
+    from logra_jax.rl import sampler as sampler_lib
+    policy, params, _, prompts, tokens, mask = setup
+    eos = [int(t) for t in greedy_by_recompute(policy, params, prompts[1], 3)[1:2]]   # row 1 ends
+    steps = sampler_lib.DECODE_CHUNK + 5
+
+    def run(chunked, limit=steps, **kwargs):
+        monkeypatch.setattr(sampler_lib, "CHUNKED_PLATFORMS", ("cpu",) if chunked else ())
+        sampler = Sampler(policy, max_prompt_length=PROMPT_LEN, max_completion_length=steps,
+                          eos_ids=eos, pad_id=PAD)
+        return sampler._generate(params, jnp.asarray(tokens), jnp.asarray(mask),
+                                 jax.random.PRNGKey(7), jnp.float32(1.0), jnp.int32(limit),
+                                 top_k=0, top_p=1.0, per_layer=True, **kwargs)
+
+    for kwargs in (dict(greedy=True), dict(greedy=False), dict(greedy=False, limit=4)):
+        per_token, chunked = run(False, **kwargs), run(True, **kwargs)
+        for field in ("tokens", "logprobs", "mask", "finished"):
+            np.testing.assert_array_equal(getattr(chunked, field), getattr(per_token, field),
+                                          err_msg=f"{field} {kwargs}")
+    lengths = np.asarray(per_token.mask).sum(axis=1)
+    assert np.asarray(run(False, greedy=True).mask)[1].sum() == 2 and lengths.max() == 4
+
+
+def test_a_stacked_decode_holds_the_kv_cache_once():
+    """The layer scan carries the KV cache stack and writes each decode step's slot into it, so
+    `generate`'s temporaries hold the stack once, plus a layer's worth XLA:CPU reads out: 1.40×
+    the cache on a 4-layer model whose cache dwarfs the rest. With the stack as the scan's output
+    (every layer's cache copied into a new stack every token) they held it twice (2.40×), and
+    when XLA:CPU fused the layer's read into the slot's write it copied the whole stack every
+    layer (2.15×)."""
+    import dataclasses
+    config = dataclasses.replace(tiny(), num_layers=4, max_position_embeddings=2048)
+    model = Decoder(config, rngs=nnx.Rngs(0))
+    policy, params = Policy(model), Policy.params_of(model)
+    rows, prompt, steps = 4, 8, 1024
+    sampler = Sampler(policy, max_prompt_length=prompt, max_completion_length=steps, eos_ids=[95],
+                      pad_id=PAD, decode_weights="stacked")
+    args = (params, jax.ShapeDtypeStruct((rows, prompt), jnp.int32),
+            jax.ShapeDtypeStruct((rows, prompt), jnp.bool_), jax.random.PRNGKey(0), jnp.float32(1.0))
+    compiled = sampler._generate.lower(*args, top_k=0, top_p=1.0, greedy=False).compile()
+    kv_cache = 2 * config.num_layers * rows * (prompt + steps) * config.num_kv_heads * config.head_dim * 4
+    assert compiled.memory_analysis().temp_size_in_bytes < 1.6 * kv_cache

@@ -153,7 +153,10 @@ class Linear(nnx.Module):
         self.kernel = nnx.Param(kernel_init(rngs.params(), (in_features, out_features), param_dtype))
         self.bias = (nnx.Param(jnp.zeros((out_features,), param_dtype)) if use_bias else None)
 
-    def __call__(self, x: jax.Array, probe: SketchProbe | None = None) -> jax.Array:
+    def __call__(self, x: jax.Array, probe: SketchProbe | None = None,
+                 kernel_hint=None) -> jax.Array:
+        """``kernel_hint``: a function of the kernel (as stored, in the compute dtype) that lays
+        it out for this product without changing its values (`llama.gathered_by_output_blocks`)."""
         # One flat token dim: the backward pass contracts H (tokens × out, the layer's output
         # gradient) over the tokens for the weight gradient or the sketch Hᵀ(x·Aᵀ), and with x as
         # (batch, seq, in) XLA:CPU does that by first writing a transposed copy of H (measured
@@ -162,6 +165,8 @@ class Linear(nnx.Module):
         lead = x.shape[:-1]
         x = x.reshape((-1, x.shape[-1])).astype(self.dtype)
         kernel = self.kernel[...].astype(self.dtype)
+        if kernel_hint is not None:
+            kernel = kernel_hint(kernel)
         stored_transposed = self.kernel.get_metadata().get(WEIGHTS_MAJOR, False)   # decoding
         if probe is not None and probe.factor_is_zero and not stored_transposed:
             y = sketched_matmul(x, kernel, probe.projection(self.in_features, self.dtype),

@@ -24,6 +24,7 @@ rollouts and a 1024-token window it would save 52/62 · ½ of the KV cache. Not 
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -36,7 +37,10 @@ from logra_jax.models.kv_cache import KVCache
 from logra_jax.models.linear import Linear, weights_major, weights_major_product
 from logra_jax.models.rope import apply_rotary, inverse_frequencies, rotary_cos_sin
 from logra_jax.projections import SketchProbe
-from logra_jax.sharding import get_logical_axes, set_logical_axes, shard_batch, shard_features
+from jax.sharding import PartitionSpec
+
+from logra_jax.sharding import (BATCH_AXIS, get_logical_axes, set_logical_axes, shard_batch,
+                                shard_features)
 
 # The stacked linear layers a SketchProbe may target, by kernel path, and their in/out logical axes.
 LAYER_LINEARS: dict[str, tuple[str, str]] = {
@@ -108,6 +112,11 @@ class Embedding(nnx.Module):
         return x if self.multiplier is None else x * jnp.asarray(self.multiplier, self.dtype)
 
 
+# A GPU decode step's attention runs as two matrix products once the layer's K and V cache
+# (all rows) exceeds this many bytes, as broadcast multiplies and sums below (`grouped_query_attention`).
+GPU_DECODE_PRODUCTS_BYTES = 8 * 2**20
+
+
 def grouped_query_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
                             scale: float | None = None) -> jax.Array:
     """softmax(q·kᵀ·scale + mask)·v where query head h reads key/value head h // (H / KV).
@@ -128,19 +137,77 @@ def grouped_query_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.
     b, t, num_heads, head_dim = q.shape
     num_kv = k.shape[1]
     q = q.reshape(b, t, num_kv, num_heads // num_kv, head_dim).transpose(0, 2, 3, 1, 4)
-    if t == 1:   # a decode step: both products as a broadcast multiply and a sum (see above)
-        scores = jnp.sum(q[..., None].astype(jnp.float32) * k[:, :, None, None], axis=-2)
-    else:
-        scores = jnp.einsum("bkgtd,bkds->bkgts", q, k, preferred_element_type=jnp.float32)
-    scores = scores / math.sqrt(head_dim) if scale is None else scores * scale
-    scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
-    weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+
+    def products(q, k, v, mask, multiply_sum):
+        if multiply_sum:   # a decode step on XLA:CPU (see above), a TPU, a small one on a GPU
+            scores = jnp.sum(q[..., None].astype(jnp.float32) * k[:, :, None, None], axis=-2)
+        else:
+            scores = jnp.einsum("bkgtd,bkds->bkgts", q, k, preferred_element_type=jnp.float32)
+        scores = scores / math.sqrt(head_dim) if scale is None else scores * scale
+        scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
+        weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+        if multiply_sum:
+            return jnp.sum(weights[..., None].astype(jnp.float32) * v[:, :, None, None],
+                           axis=-2).astype(v.dtype)
+        return jnp.einsum("bkgts,bksd->bkgtd", weights, v)
+
     if t == 1:
-        out = jnp.sum(weights[..., None].astype(jnp.float32) * v[:, :, None, None],
-                      axis=-2).astype(v.dtype)
+        # XLA:GPU runs the multiply-sum form as two reductions that read the layer's cache about
+        # 3.1 times (an f32 copy of V, transposed, among them), the products as two Triton GEMMs
+        # and a sum of their split parts that read it 1.2-1.3 times: two kernels more per layer
+        # for 1.8 cache reads less, worth it once those reads outlast two launches (1.86 µs
+        # each, perf/gpu_cost.py; 3.7 µs is 18 MB at an H200's 4.8 TB/s).
+        reads_win = k.size * k.dtype.itemsize + v.size * v.dtype.itemsize > GPU_DECODE_PRODUCTS_BYTES
+        on_gpu = functools.partial(products, multiply_sum=not reads_win)
+        out = jax.lax.platform_dependent(q, k, v, mask, cuda=on_gpu, rocm=on_gpu,
+                                         default=functools.partial(products, multiply_sum=True))
     else:
-        out = jnp.einsum("bkgts,bksd->bkgtd", weights, v)
+        out = products(q, k, v, mask, multiply_sum=False)
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, num_heads, head_dim)
+
+
+def split_output_product(project, x: jax.Array) -> jax.Array:
+    """``project(x)`` for a decode step's few rows ``x`` [rows, …] and a weight split along its
+    output (o_proj and down_proj: ``embed`` over ``fsdp``), on the GPUs of the mesh in context:
+    every row goes to every GPU, each multiplies them by its own columns of the weight, and the
+    products return to their rows' GPUs, so rows × out numbers move instead of the weight. Each
+    output is the same sum over the whole input dimension as with the weight gathered. Gathering
+    such a weight, XLA:GPU's all-gather wants the gathered dimension major, and it laid the
+    whole stack out transposed for it, a copy held through the call (Gemma-3-27B on 8 H100s:
+    2.0 GiB of `generate`'s temporaries). As ``project(x)`` elsewhere (XLA:CPU, a TPU) and
+    without an ``fsdp`` axis > 1."""
+    if not _on_gpu_fsdp(jax.sharding.get_abstract_mesh()):
+        return project(x)
+    y = project(jax.lax.with_sharding_constraint(x, PartitionSpec()))
+    y = jax.lax.with_sharding_constraint(y, PartitionSpec(*(None,) * (y.ndim - 1), BATCH_AXIS))
+    return shard_batch(y)
+
+
+def gathered_by_output_blocks(kernel: jax.Array) -> jax.Array:
+    """A prefill's o_proj or down_proj ``kernel`` [in, out], split along out over ``fsdp``,
+    gathered whole on every GPU of the mesh in context as F blocks of out / F columns: each GPU's
+    block is a contiguous piece of the gathered [in, F, out / F] array's second dimension. Gathered
+    along out itself, XLA:GPU's all-gather wants the gathered dimension major, and XLA laid the
+    whole layer stack out transposed for it before the prefill's layer loop, a copy held through
+    the call (Gemma-3-27B on 8 H100s: 2.0 GiB of `generate`'s temporaries); this way it
+    rearranges one layer's gathered weight inside the loop. The same numbers either way.
+    ``kernel`` as it is elsewhere (XLA:CPU, a TPU), without an ``fsdp`` axis > 1, or when it
+    does not split evenly."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if not _on_gpu_fsdp(mesh) or kernel.shape[-1] % mesh.shape[BATCH_AXIS]:
+        return kernel
+    blocks = mesh.shape[BATCH_AXIS]
+    free = PartitionSpec.UNCONSTRAINED
+    split = kernel.reshape(*kernel.shape[:-1], blocks, kernel.shape[-1] // blocks)
+    split = jax.lax.with_sharding_constraint(split, PartitionSpec(free, BATCH_AXIS, None))
+    whole = jax.lax.with_sharding_constraint(split, PartitionSpec(free, None, None))
+    return whole.reshape(kernel.shape)
+
+
+def _on_gpu_fsdp(mesh) -> bool:
+    """Whether ``mesh`` (the abstract mesh in context) is of GPUs with an ``fsdp`` axis > 1."""
+    return (not mesh.empty and BATCH_AXIS in mesh.axis_names and mesh.shape[BATCH_AXIS] > 1
+            and getattr(getattr(mesh, "abstract_device", None), "platform", None) == "gpu")
 
 
 class Attention(nnx.Module):
@@ -161,9 +228,13 @@ class Attention(nnx.Module):
         self.scale = (None if c.query_pre_attn_scalar is None else c.query_pre_attn_scalar ** -0.5)
 
     def __call__(self, x, cos, sin, mask, probes: dict[str, SketchProbe], kv, write_index,
-                 chunk_keys: bool = False):
-        """Returns (output, (k, v) of the whole cache after writing this chunk, or None).
+                 chunk_keys: bool = False, layer=None):
+        """Returns (output, the cache ``kv`` after writing this chunk's keys and values, or None).
 
+        ``kv``: (k, v) of this layer, or with ``layer`` (an int32 scalar) the whole stack's, whose
+        slots [layer, …, write_index + t) this chunk updates in place: a decode step then writes
+        one slot of one layer instead of returning the layer's whole cache for the scan to stack
+        into a new cache (which held every cache twice and rewrote it every token).
         ``chunk_keys``: the queries attend to this chunk's own keys (``mask`` [b, t, t]) though
         the chunk is written to the cache: a prefill into an empty cache, where every other slot
         is masked out anyway, scores t × t instead of t × S."""
@@ -179,15 +250,59 @@ class Attention(nnx.Module):
         # cache around every product.
         k, v = k.transpose(0, 2, 3, 1), v.swapaxes(1, 2)
         new_kv = None
-        if kv is not None:
-            cache_k, cache_v = kv
-            k, v = k.astype(cache_k.dtype), v.astype(cache_v.dtype)
-            new_kv = (jax.lax.dynamic_update_slice(cache_k, k, (0, 0, 0, write_index)),
-                      jax.lax.dynamic_update_slice(cache_v, v, (0, 0, write_index, 0)))
+        if kv is not None and layer is not None and not chunk_keys:   # a stacked decode step
+            new_kv, (k, v) = update_stacked_kv(kv, k, v, write_index, layer)
+        elif kv is not None:
+            new_kv = write_kv(kv, k, v, write_index, layer)
             if not chunk_keys:
-                k, v = new_kv
-        out = grouped_query_attention(q, k, v, mask, self.scale)
-        return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim), probes.get("o_proj")), new_kv
+                k, v = read_kv(new_kv, layer)
+        out = grouped_query_attention(q, k, v, mask, self.scale).reshape(b, t, -1)
+        if kv is not None and not chunk_keys:   # a decode step
+            return split_output_product(lambda x: self.o_proj(x, probes.get("o_proj")), out), new_kv
+        hint = gathered_by_output_blocks if chunk_keys else None
+        return self.o_proj(out, probes.get("o_proj"), kernel_hint=hint), new_kv
+
+
+def write_kv(kv, k, v, slot, layer=None):
+    """The cache ``kv`` = (K, V) with a chunk's k [b, kv, d, t] and v [b, kv, t, d] written at
+    ``slot``: of one layer's arrays, or with ``layer`` of the stack's [L, …] arrays at that layer."""
+    cache_k, cache_v = kv
+    k, v = k.astype(cache_k.dtype), v.astype(cache_v.dtype)
+    if layer is None:
+        return (jax.lax.dynamic_update_slice(cache_k, k, (0, 0, 0, slot)),
+                jax.lax.dynamic_update_slice(cache_v, v, (0, 0, slot, 0)))
+    return (jax.lax.dynamic_update_slice(cache_k, k[None], (layer, 0, 0, 0, slot)),
+            jax.lax.dynamic_update_slice(cache_v, v[None], (layer, 0, 0, slot, 0)))
+
+
+def update_stacked_kv(kv, k, v, slot, layer):
+    """(the stack ``kv`` with a decode step's k, v written at [layer, …, slot], that layer's
+    (K, V) after the write): what a stacked decode step attends to.
+
+    XLA:GPU writes the slot in place and reads the layer from the written stack. XLA:CPU fused
+    that read with the write into one kernel reading the stack as it was before the write, so it
+    copied the whole stack every layer to keep that version alive (two copies per layer and
+    token); there the layer is read first, written, and put back whole (a data dependency XLA
+    can order, the stack then updated in place): one pass over the cache per token, as when the
+    layer scan stacked its outputs."""
+    def write_then_read(kv, k, v, slot, layer):
+        written = write_kv(kv, k, v, slot, layer)
+        return written, read_kv(written, layer)
+
+    def read_write_put_back(kv, k, v, slot, layer):
+        layer_kv = write_kv(read_kv(kv, layer), k, v, slot)
+        return tuple(jax.lax.dynamic_update_index_in_dim(stack, one, layer, 0)
+                     for stack, one in zip(kv, layer_kv)), layer_kv
+
+    return jax.lax.platform_dependent(kv, k, v, slot, layer, cpu=read_write_put_back,
+                                      default=write_then_read)
+
+
+def read_kv(kv, layer=None):
+    """One layer's (K, V): ``kv`` itself, or with ``layer`` that layer of the stack's arrays."""
+    if layer is None:
+        return kv
+    return tuple(jax.lax.dynamic_index_in_dim(a, layer, keepdims=False) for a in kv)
 
 
 class MLP(nnx.Module):
@@ -201,10 +316,16 @@ class MLP(nnx.Module):
                                  LAYER_LINEARS["layers/mlp/down_proj/kernel"], c, rngs=rngs)
         self.activation = _ACTIVATIONS[c.mlp_activation]
 
-    def __call__(self, x, probes: dict[str, SketchProbe]):
+    def __call__(self, x, probes: dict[str, SketchProbe], step: str | None = None):
+        """``step``: "decode", a decode step's few rows (`split_output_product` for down_proj),
+        or "prefill" (`gathered_by_output_blocks`); None for the training forward."""
         gate = self.gate_proj(x, probes.get("gate_proj"))
         up = self.up_proj(x, probes.get("up_proj"))
-        return self.down_proj(self.activation(gate) * up, probes.get("down_proj"))
+        if step == "decode":
+            return split_output_product(lambda x: self.down_proj(x, probes.get("down_proj")),
+                                        self.activation(gate) * up)
+        hint = gathered_by_output_blocks if step == "prefill" else None
+        return self.down_proj(self.activation(gate) * up, probes.get("down_proj"), kernel_hint=hint)
 
 
 _ACTIVATIONS = {"silu": jax.nn.silu,
@@ -231,16 +352,17 @@ class Block(nnx.Module):
             self.post_feedforward_layernorm = _norm(c.hidden_size, c)
 
     def __call__(self, x, cos, sin, mask, probes: dict[str, SketchProbe], kv, write_index,
-                 chunk_keys: bool = False):
+                 chunk_keys: bool = False, layer=None):
         attn_probes = {k.split("/")[1]: p for k, p in probes.items() if k.startswith("self_attn/")}
         mlp_probes = {k.split("/")[1]: p for k, p in probes.items() if k.startswith("mlp/")}
         attn_out, new_kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, attn_probes, kv,
-                                          write_index, chunk_keys)
+                                          write_index, chunk_keys, layer)
+        step = None if kv is None else "prefill" if chunk_keys else "decode"
         if not self.sandwich:
             h = x + attn_out
-            return h + self.mlp(self.post_attention_layernorm(h), mlp_probes), new_kv
+            return h + self.mlp(self.post_attention_layernorm(h), mlp_probes, step), new_kv
         h = x + self.post_attention_layernorm(attn_out)
-        mlp_out = self.mlp(self.pre_feedforward_layernorm(h), mlp_probes)
+        mlp_out = self.mlp(self.pre_feedforward_layernorm(h), mlp_probes, step)
         return h + self.post_feedforward_layernorm(mlp_out), new_kv
 
 
@@ -417,7 +539,7 @@ class Decoder(nnx.Module):
             local_rope = rotary_cos_sin(positions, inverse_frequencies(
                 c.head_dim, c.rope_local_theta or c.rope_theta), c.compute_dtype)
 
-        def layer(h, per_layer):
+        def layer(h, per_layer, stack_index=None):
             params, probes_l, kv_l, sliding_l = per_layer
             block = nnx.merge(graphdef, params)
             cos_l, sin_l, mask_l = cos, sin, mask
@@ -425,7 +547,7 @@ class Decoder(nnx.Module):
                 cos_l, sin_l = (jnp.where(sliding_l, a, b) for a, b in zip(local_rope, (cos, sin)))
                 mask_l = mask & (window[None] | ~sliding_l)
             return block(shard_batch(h), cos_l, sin_l, mask_l, probes_l, kv_l, offset,
-                         prefill and cache is not None)
+                         prefill and cache is not None, stack_index)
 
         if layers is not None:
             # Decoding with per-layer weights (unstacked_layers): the layers run one after the
@@ -439,11 +561,24 @@ class Decoder(nnx.Module):
                     new_k.append(kv_i[0])
                     new_v.append(kv_i[1])
             new_kv = (tuple(new_k), tuple(new_v))
+        elif cache is not None:
+            # The cache stack rides in the scan's carry and each layer writes its chunk into it
+            # in place (`write_kv`), so the stack exists once: as the scan's output instead, every
+            # layer's whole cache would be copied into a new stack, every token.
+            def layer_with_cache(carry, per_layer):
+                h, kv = carry
+                params, probes_l, sliding_l, index = per_layer
+                h, kv = layer(h, (params, probes_l, kv, sliding_l), index)
+                return (h, kv), None
+
+            (x, new_kv), _ = jax.lax.scan(
+                layer_with_cache, (x, kv_stack),
+                (layer_params, layer_probes, sliding, jnp.arange(c.num_layers, dtype=jnp.int32)))
         else:
             if c.remat:
                 # Backward recomputes each layer from its input instead of keeping its activations.
                 layer = jax.checkpoint(layer, prevent_cse=False)
-            x, new_kv = jax.lax.scan(layer, x, (layer_params, layer_probes, kv_stack, sliding))
+            x, _ = jax.lax.scan(layer, x, (layer_params, layer_probes, None, sliding))
         x = self.norm(x)
         out = x if return_hidden else self.logits(x)
         if cache is None:

@@ -1,7 +1,7 @@
 """``logra(...)``: the whole LoGRA optimizer as one optax transformation, plus what a trainer reads
 from its state (``update_index``, ``logra_metrics``).
 
-    tx = logra(variant="grpo", learning_rate=1e-6)
+    tx = logra(variant="learning_rate", learning_rate=1e-6)
     opt_state = tx.init(params)
     probes = make_probes(params, update_index(opt_state), SketchSpec())   # same sketch kwargs
     grads = ...  # params-shaped: sketches at targets (or dense kernel gradients), dense elsewhere
@@ -86,27 +86,27 @@ _FACTOR_DTYPES = {None: None, "": None, "float32": None, "bfloat16": jnp.bfloat1
 
 def variant_defaults(variant: str, others: str | None, kl_control: bool | None) -> tuple[str, bool]:
     """(others, kl_control) with None replaced by the variant's own choice (docs/algorithm.md §1, §6):
-    the GRPO variant trains the non-targets with AdamW and runs without KL control, the KL variant
+    the learning-rate variant trains the non-targets with AdamW and runs without KL control, the KL variant
     freezes them and sizes every update by its predicted KL."""
     if others is None:
-        others = "adamw" if variant == "grpo" else "frozen"
+        others = "adamw" if variant == "learning_rate" else "frozen"
     if kl_control is None:
         kl_control = variant == "kl"
     return others, bool(kl_control)
 
 
 def clip_norm_default(variant: str, max_grad_norm: float | None) -> float | None:
-    """The clipping threshold, None for none: the GRPO variant clips at 1.0 unless told otherwise;
+    """The clipping threshold, None for none: the learning-rate variant clips at 1.0 unless told otherwise;
     the KL variant does not clip (the reference never does: its step is sized by update_ratio and
     the KL controller, §5). ``inf`` means no clipping for either."""
     if max_grad_norm is None:
-        return 1.0 if variant == "grpo" else None
+        return 1.0 if variant == "learning_rate" else None
     if _concrete(max_grad_norm) and float(max_grad_norm) == float("inf"):
         return None
     return max_grad_norm
 
 
-def logra(*, variant: str = "grpo",
+def logra(*, variant: str = "learning_rate",
           learning_rate: optax.ScalarOrSchedule = 1e-6,
           weight_decay: float = 0.0,
           max_grad_norm: float | None = None,
@@ -127,29 +127,30 @@ def logra(*, variant: str = "grpo",
     """LoGRA: sketched RowAdam for the projection matrices, AdamW or freezing for the rest.
 
     Args:
-      variant: "grpo" — ΔW = −lr(t)·D·A with decoupled weight decay and clipping on the
-        reconstructed norm; "kl" — no learning rate: one global c = update_ratio·‖W‖/‖ΔW‖, then the
-        KL controller's α, then U rounded to bf16.
-      learning_rate: η, float or schedule (grpo only; in the reference GRPO variant the targets
+      variant: how a step is sized (docs/algorithm.md §5–6). "learning_rate" (the paper's GRPO
+        variant) — ΔW = −lr(t)·D·A with decoupled weight decay and clipping on the reconstructed
+        norm; "kl" — no learning rate: one global c = update_ratio·‖W‖/‖ΔW‖, then the KL
+        controller's α, then U rounded to bf16.
+      learning_rate: η, float or schedule (variant "learning_rate" only; in the reference the targets
         take the AdamW group's lr, weight decay and schedule — 1e-6 here is a usual RL
-        post-training rate). weight_decay: decoupled, W ← (1 − η·wd)·W (grpo only).
+        post-training rate). weight_decay: decoupled, W ← (1 − η·wd)·W (learning_rate only).
       max_grad_norm: clip on the reconstructed global norm (grad_norm is reported either way);
-        None: the variant's default — 1.0 for grpo, no clipping for kl (as the reference);
+        None: the variant's default — 1.0 for learning_rate, no clipping for kl (as the reference);
         inf: no clipping.
       rank, b2, eps, seed, refresh, distribution, targets, layouts: the sketch (SketchSpec) and
         RowAdam; ``layouts`` ({path: KernelLayout}) only for kernels that are not (*stack, in, out),
         as ``logra_jax.nnx_sketch`` finds them (``NNXSketch.logra_kwargs()`` passes all of these).
-      others: "adamw" (default for grpo) or "frozen" (default for kl) for non-target params;
+      others: "adamw" (default for learning_rate) or "frozen" (default for kl) for non-target params;
         others_learning_rate / others_weight_decay / others_warmup_steps configure that AdamW.
-      kl_control: scale every update by the predicted-KL α (default: on for "kl", off for "grpo");
+      kl_control: scale every update by the predicted-KL α (default: on for "kl", off for "learning_rate");
         then ``update`` needs ``predict_kl=`` (and optionally ``mismatch=``). α scales the gradient
-        step of every parameter; a GRPO run's decoupled weight decay is neither predicted nor scaled.
+        step of every parameter; the learning-rate variant's decoupled weight decay is neither predicted nor scaled.
       kl_budget, kl_budget_final, kl_budget_horizon, alpha_max, mismatch_weight: the controller.
       kl_safeguard, kl_correction: the measured-KL safeguard and the learned correction of the
         prediction (``scale_by_predicted_kl``; they run when ``update`` gets ``candidate_kl=``);
         inf and 0 give the reference controller.
       update_ratio: relative size of the KL variant's proposed step.
-      factor_dtype: round the GRPO variant's factor U to this dtype ("bfloat16") before the merge,
+      factor_dtype: round the learning-rate variant's factor U to this dtype ("bfloat16") before the merge,
         so a rollout engine receiving U (§8) applies exactly the trainer's update with half the
         bytes of an fp32 U (≤ r/in of the bf16 weights). The KL variant always rounds to bf16.
       merge_rounding: how the fp32 merge result W + U·A becomes a bf16 target kernel (fp32
@@ -164,11 +165,11 @@ def logra(*, variant: str = "grpo",
     Update kwargs: ``predict_kl``, ``mismatch`` and ``candidate_kl`` (kl_control), ``num_tokens`` (variant "kl": the
     number of valid generated tokens the sketches sum over; default 1 = already a token mean).
     Target gradients may be sketches (memory-saving) or dense (drop-in; saves state only).
-    Returned target updates are ``LowRankUpdate``; apply with ``apply_updates`` (layer by layer)
+    Returned target updates are ``LowRankUpdate``; apply with ``apply_updates`` (in place)
     or ``optax.apply_updates`` (materialises each leaf's ΔW).
     """
-    if variant not in ("grpo", "kl"):
-        raise ValueError(f"variant must be 'grpo' or 'kl', got {variant!r}")
+    if variant not in ("learning_rate", "kl"):
+        raise ValueError(f"variant must be 'learning_rate' or 'kl', got {variant!r}")
     if factor_dtype not in _FACTOR_DTYPES:
         raise ValueError(f"factor_dtype must be one of {sorted(_FACTOR_DTYPES, key=str)}, got "
                          f"{factor_dtype!r}")
@@ -188,19 +189,21 @@ def logra(*, variant: str = "grpo",
     _check("others_weight_decay", others_weight_decay, finite_nonnegative, "finite and ≥ 0")
     _check("others_warmup_steps", others_warmup_steps, lambda x: x >= 0.0, "≥ 0")
     if variant == "kl" and _concrete(weight_decay) and float(weight_decay) != 0.0:
-        raise ValueError("weight_decay applies only to variant='grpo' (the KL variant has no "
+        raise ValueError("weight_decay applies only to variant='learning_rate' (the KL variant has no "
                          f"learning rate to scale it by), got weight_decay={weight_decay!r}")
     spec = SketchSpec(targets=targets, rank=rank, seed=seed, distribution=distribution,
                       refresh=refresh, layouts=layouts)
 
-    if variant == "grpo":
-        target_tx = optax.chain(scale_by_row_adam(spec, variant="grpo", b2=b2, eps=eps),
+    if variant == "learning_rate":
+        target_tx = optax.chain(scale_by_row_adam(spec, variant="learning_rate", b2=b2, eps=eps,
+                                                  check_finite=False),
                                 scale_by_step_size(learning_rate))
         wrap = to_low_rank_updates(spec, learning_rate=learning_rate, weight_decay=weight_decay,
                                    factor_dtype=_FACTOR_DTYPES[factor_dtype],
                                    merge_rounding=merge_rounding, exact_merge=exact_merge)
     else:
-        target_tx = optax.chain(scale_by_row_adam(spec, variant="kl", b2=b2, eps=eps),
+        target_tx = optax.chain(scale_by_row_adam(spec, variant="kl", b2=b2, eps=eps,
+                                                  check_finite=False),
                                 scale_by_update_ratio(spec, update_ratio))
         wrap = to_low_rank_updates(spec, factor_dtype=jnp.bfloat16, merge_rounding=merge_rounding,
                                    exact_merge=exact_merge)
@@ -220,7 +223,7 @@ def logra(*, variant: str = "grpo",
         parts.append(scale_by_predicted_kl(kl_budget, kl_budget_final, kl_budget_horizon,
                                            alpha_max, mismatch_weight, kl_safeguard, kl_correction))
     parts.append(wrap)
-    tx = _scalars_on_params_mesh(skip_nonfinite(optax.chain(*parts)))
+    tx = _scalars_on_params_mesh(skip_nonfinite(optax.chain(*parts), gradient_by_norm=True))
     _SPECS[tx.update] = spec
     return tx
 

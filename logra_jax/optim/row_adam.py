@@ -4,7 +4,7 @@ For a target with sketch S (out × r) at update t (1-based):
 
     v_i ← β₂·v_i + (1 − β₂)·mean_j S_ij²                 (v: out, fp32 — the only state)
 
-- ``"grpo"``:  D_i = S_i / (sqrt(v_i / (1 − β₂ᵗ)) + ε)
+- ``"learning_rate"``: D_i = S_i / (sqrt(v_i / (1 − β₂ᵗ)) + ε)
 - ``"kl"``:    S̃ = S / n_tokens (v is accumulated from S̃);  ρ_i = sqrt(v_i / (1 − β₂ᵗ));
                d_i = ρ_i + max(ε·mean_k ρ_k, tiny)   (ε relative to the typical row scale);
                D = diag(1/d)·S̃ · ‖S̃‖_F / ‖diag(1/d)·S̃‖_F   (only the direction changes, not the norm)
@@ -28,7 +28,7 @@ from logra_jax.optim.targets import SketchSpec, TargetInfo, require_params
 from logra_jax.sharding import sharding_without_in_dim
 from logra_jax.tree_paths import leaves_with_paths, map_with_paths
 
-VARIANTS = ("grpo", "kl", "sgd")
+VARIANTS = ("learning_rate", "kl", "sgd")
 _TINY = float(jnp.finfo(jnp.float32).tiny)
 
 
@@ -70,7 +70,7 @@ def row_adam_direction(s: jax.Array, v: jax.Array, t: jax.Array, *, variant: str
         s = s / jnp.asarray(num_tokens, jnp.float32)
     v = b2 * v + (1.0 - b2) * jnp.mean(jnp.square(s), axis=-1)
     rho = jnp.sqrt(v / (1.0 - b2 ** t))
-    if variant == "grpo":
+    if variant == "learning_rate":
         return s / (rho + eps)[..., None], v
     denom = rho + jnp.maximum(eps * jnp.mean(rho, axis=-1, keepdims=True), _TINY)
     d = s / denom[..., None]
@@ -79,13 +79,16 @@ def row_adam_direction(s: jax.Array, v: jax.Array, t: jax.Array, *, variant: str
     return d * (norm_s / jnp.maximum(norm_d, _TINY)), v
 
 
-def scale_by_row_adam(spec: SketchSpec = SketchSpec(), *, variant: str = "grpo", b2: float = 0.95,
-                      eps: float = 1e-8) -> optax.GradientTransformationExtraArgs:
+def scale_by_row_adam(spec: SketchSpec = SketchSpec(), *, variant: str = "learning_rate", b2: float = 0.95,
+                      eps: float = 1e-8, check_finite: bool = True) -> optax.GradientTransformationExtraArgs:
     """Sketch → RowAdam direction D (*stack, out, r) for every target; other leaves pass unchanged.
 
     Target gradients may be sketches S (the memory-saving path) or dense kernel gradients, which
     are sketched here with A_l(k) — that saves optimizer state, not gradient memory. A non-finite
     sketch is dropped whole: D = 0 for every target, v unchanged, counters still advance.
+    ``check_finite=False`` leaves that to a guard around the chain (``logra(...)``'s
+    ``skip_nonfinite``, which drops the whole update when any D is non-finite): the check reads
+    every sketch once more, and on a GPU launches a reduction per target.
 
     Update kwargs: ``num_tokens`` (``"kl"``: the number of valid generated tokens the sketch sums
     over; default 1, i.e. the loss is already a token mean).
@@ -112,7 +115,7 @@ def scale_by_row_adam(spec: SketchSpec = SketchSpec(), *, variant: str = "grpo",
         targets = spec.find_targets(require_params(params, "scale_by_row_adam"))
         sketches = {path: as_sketch(g, targets[path], spec, state.update_index)
                     for path, g in leaves_with_paths(updates) if path in targets}
-        finite = low_rank.all_finite(sketches)
+        finite = low_rank.all_finite(sketches) if check_finite else jnp.asarray(True)
         t = (state.count + 1).astype(jnp.float32)
         tokens = 1.0 if num_tokens is None else num_tokens
         directions, moments = {}, {}

@@ -20,6 +20,7 @@ One gradient step of a trainer, with these helpers::
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from typing import Any
 
@@ -27,7 +28,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from logra_jax.projections import DISTRIBUTIONS, KernelLayout, SketchProbe, projection_keys
+from logra_jax.projections import (DISTRIBUTIONS, KernelLayout, SketchProbe, hash_words,
+                                   projection_keys, projection_keys_of)
 from logra_jax.sharding import sharding_without_in_dim
 from logra_jax.tree_paths import leaves_with_paths, map_with_paths, path_str
 
@@ -169,6 +171,12 @@ class SketchSpec:
         """PRNG key data of A for every layer of the target: shape (*stack, 2)."""
         return projection_keys(self.seed, info.path, update_index, info.stack_shape)
 
+    def keys_of(self, targets: dict[str, TargetInfo], update_index: jax.Array | int) -> dict[str, jax.Array]:
+        """{path: ``keys(info, update_index)``} of all ``targets``, derived together (the same keys;
+        `projection_keys_of`)."""
+        return projection_keys_of(self.seed, {path: info.stack_shape for path, info in targets.items()},
+                                  update_index)
+
 
 def make_probes(params, update_index: jax.Array | int, spec: SketchSpec,
                 dtype=jnp.float32) -> dict[str, SketchProbe]:
@@ -179,13 +187,32 @@ def make_probes(params, update_index: jax.Array | int, spec: SketchSpec,
     """
     k = spec.projection_index(update_index)
     kernels = dict(leaves_with_paths(params))
+    targets = spec.find_targets(params)
+    keys = spec.keys_of(targets, k)
+    words = _hash_words_of(keys) if spec.distribution == "rademacher" else {}
     probes = {}
-    for path, info in spec.find_targets(params).items():
+    for path, info in targets.items():
         factor = jnp.zeros(info.sketch_shape, dtype, device=sharding_without_in_dim(
             kernels[path], keep_last=True, layout=info.layout))
-        probes[path] = SketchProbe(key=spec.keys(info, k), factor=factor,
-                                   distribution=spec.distribution, factor_is_zero=True)
+        probes[path] = SketchProbe(key=keys[path], factor=factor, distribution=spec.distribution,
+                                   factor_is_zero=True, words=words.get(path))
     return probes
+
+
+def _hash_words_of(keys: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """{path: hash_words of every key of the target} for all targets in one batched program: a
+    layer loop (the backward pass) then reads its layer's words instead of deriving them."""
+    if not keys:
+        return {}
+    paths = list(keys)
+    flat = jnp.concatenate([keys[path].reshape(-1, keys[path].shape[-1]) for path in paths])
+    words = jax.vmap(hash_words)(flat)
+    out, start = {}, 0
+    for path in paths:
+        n = math.prod(keys[path].shape[:-1])
+        out[path] = words[start:start + n].reshape(keys[path].shape[:-1] + words.shape[1:])
+        start += n
+    return out
 
 
 def probe_factors(probes: dict[str, SketchProbe]) -> dict[str, jax.Array]:

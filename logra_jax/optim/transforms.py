@@ -4,7 +4,8 @@ Order inside ``logra(...)``::
 
     clip_by_reconstructed_norm   sketch dense target grads; global norm ‖g‖ over the reconstructed
                                  gradient S·A of targets and the dense rest; optional clipping
-    partition  targets: scale_by_row_adam → scale_by_step_size (grpo) | scale_by_update_ratio (kl)
+    partition  targets: scale_by_row_adam → scale_by_step_size (learning_rate)
+                                          | scale_by_update_ratio (kl)
                others:  AdamW | frozen
     scale_by_predicted_kl        optional (§6): α on everything, still in sketch space
     to_low_rank_updates          U → LowRankUpdate(U, key of A, weight_scale); bf16 U for "kl"
@@ -82,11 +83,10 @@ def clip_by_reconstructed_norm(spec: SketchSpec = SketchSpec(),
         k = state.update_index
         sketches = {path: as_sketch(g, targets[path], spec, k)
                     for path, g in leaves_with_paths(updates) if path in targets}
-        sq = jnp.zeros([], jnp.float32)
-        for path, s in sketches.items():
-            info = targets[path]
-            sq += low_rank.reconstructed_sq_norm(s, spec.keys(info, k), info.in_dim,
-                                                 spec.distribution, info.stack_shape)
+        keys = spec.keys_of({path: targets[path] for path in sketches}, k)
+        sq = low_rank.reconstructed_sq_norm_sum(
+            ((s, keys[path], targets[path].in_dim, targets[path].stack_shape)
+             for path, s in sketches.items()), spec.distribution)
         for path, g in leaves_with_paths(updates):
             if path not in targets:
                 sq += _sq_norm(g)
@@ -111,7 +111,7 @@ class StepSizeState(NamedTuple):
 
 
 def scale_by_step_size(learning_rate: optax.ScalarOrSchedule) -> optax.GradientTransformationExtraArgs:
-    """u ← −lr(t)·u on every leaf (the GRPO variant's η, applied to D in sketch space).
+    """u ← −lr(t)·u on every leaf (the learning-rate variant's η, applied to D in sketch space).
 
     Same as ``optax.scale_by_learning_rate``, except that its counter advances on skipped steps like
     every LoGRA counter, so lr(t) here and the weight decay of ``to_low_rank_updates`` stay in step.
@@ -156,12 +156,10 @@ def scale_by_update_ratio(spec: SketchSpec = SketchSpec(),
         targets = spec.find_targets(params)
         k = state.update_index
         weight_sq = sum(_sq_norm(p) for path, p in leaves_with_paths(params) if path in targets)
-        delta_sq = jnp.zeros([], jnp.float32)
-        for path, d in leaves_with_paths(updates):
-            if path in targets:
-                info = targets[path]
-                delta_sq += low_rank.reconstructed_sq_norm(d, spec.keys(info, k), info.in_dim,
-                                                           spec.distribution, info.stack_shape)
+        keys = spec.keys_of(targets, k)
+        delta_sq = low_rank.reconstructed_sq_norm_sum(
+            ((d, keys[path], targets[path].in_dim, targets[path].stack_shape)
+             for path, d in leaves_with_paths(updates) if path in targets), spec.distribution)
         delta_norm = jnp.sqrt(delta_sq)
         c = jnp.where(delta_norm > 0,
                       _f32(update_ratio) * jnp.sqrt(weight_sq) / jnp.maximum(delta_norm, _TINY), 0.0)
@@ -186,7 +184,7 @@ def to_low_rank_updates(spec: SketchSpec = SketchSpec(), *,
                         exact_merge: bool = True) -> optax.GradientTransformationExtraArgs:
     """Wraps each target's factor U (*stack, out, r) as ``LowRankUpdate(U, key of A_l(k), ws)``.
 
-    ``weight_scale`` ws = 1 − lr(t)·weight_decay (decoupled decay, GRPO variant) or 1.
+    ``weight_scale`` ws = 1 − lr(t)·weight_decay (decoupled decay, learning-rate variant) or 1.
     ``factor_dtype`` rounds U (the KL variant uses bfloat16, so a receiver applying the same bf16
     factor with the same A reproduces the trainer's merge exactly, §8). ``merge_rounding``: how a
     bf16 kernel receives the fp32 merge result ("nearest" | "stochastic", ``LowRankUpdate``).
@@ -209,6 +207,8 @@ def to_low_rank_updates(spec: SketchSpec = SketchSpec(), *,
         else:
             weight_scale = 1.0 - _at(learning_rate, state.count) * _f32(weight_decay)
 
+        keys = spec.keys_of(targets, k)
+
         def wrap(path, u):
             if path not in targets:
                 return u
@@ -218,7 +218,7 @@ def to_low_rank_updates(spec: SketchSpec = SketchSpec(), *,
                                  f"{tuple(u.shape)}, expected the factor shape {info.sketch_shape}; "
                                  f"put it after scale_by_row_adam in the chain")
             factor = u if factor_dtype is None else u.astype(factor_dtype)
-            return LowRankUpdate(factor=factor, key=spec.keys(info, k), weight_scale=weight_scale,
+            return LowRankUpdate(factor=factor, key=keys[path], weight_scale=weight_scale,
                                  distribution=spec.distribution, rounding=merge_rounding,
                                  exact=exact_merge, layout=info.layout)
 
@@ -250,12 +250,18 @@ def _select_state(ok: jax.Array, new, old):
     return jax.tree.map(pick, new, old, is_leaf=_keeps_fields)
 
 
-def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+def skip_nonfinite(inner: optax.GradientTransformation, *,
+                   gradient_by_norm: bool = False) -> optax.GradientTransformationExtraArgs:
     """Drops a whole update whose gradient or result is not finite: nothing reaches the weights.
 
     The update becomes zero (``LowRankUpdate`` factor 0, weight_scale 1), the inner state is kept as
     it was — except LoGRA's counters, which advance so A stays in sync with the trainer's probes —
     and ``skipped``/``num_skipped`` record it.
+
+    ``gradient_by_norm``: ``inner`` holds a `clip_by_reconstructed_norm`, whose ``grad_norm`` sums
+    the square of every gradient entry, so the gradient is finite iff that norm is (a squared norm
+    past fp32's range, ‖g‖ > ~1.8e19, counts as non-finite too): the gradient is not read a second
+    time, leaf by leaf (on a GPU one or two reduction kernels per leaf).
     """
     inner = optax.with_extra_args_support(inner)
 
@@ -265,7 +271,9 @@ def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransfo
 
     def update_fn(updates, state, params=None, **extra_args):
         new_updates, new_inner = inner.update(updates, state.inner_state, params, **extra_args)
-        ok = low_rank.all_finite(updates) & low_rank.all_finite(new_updates)
+        gradient_ok = (jnp.isfinite(optax.tree.get(new_inner, "grad_norm")) if gradient_by_norm
+                       else low_rank.all_finite(updates))
+        ok = gradient_ok & low_rank.all_finite(new_updates)
         zeros = low_rank.zero_updates(new_updates)
         out = jax.tree.map(lambda n, z: jnp.where(ok, n, z), new_updates, zeros)
         return out, SkipNonFiniteState(

@@ -27,17 +27,39 @@ ROUNDS = 3          # the best of 3 rounds, each alternating the modes: a slow s
                     # 2-core CPU); a round is 4 calls of a few decode steps
 
 
-# The pick where nothing runs: a program lowered only to be compiled (a TPU slice's or a GPU's
-# memory plan made on a CPU host, `launch.memory`), or a call traced inside another jit. stacked
-# holds no second copy of the layer weights: the smaller plan, and what the plans assumed so far.
+# The pick where nothing runs (a program lowered only to be compiled: a TPU slice's or a GPU's
+# memory plan made on a CPU host, `launch.memory`; a call traced inside another jit), except on
+# one GPU (`unmeasured`). stacked holds no second copy of the layer weights: the smaller plan.
 UNMEASURED = "stacked"
 
 
-def estimate(time_call: Callable[[str, int], float], tokens: int) -> dict[str, float]:
+def unmeasured(platform: str, devices: int) -> str:
+    """The mode a program lowered without running takes, for ``devices`` of ``platform``: what
+    a run there is expected to measure faster, so that a plan is of the program a run executes.
+
+    On one GPU, per_layer. XLA:GPU's compiled decode step shows why: its Triton matmuls take an
+    operand sliced out of a larger array only when that array is a parameter of the program, and
+    inside a loop every array is an element of the loop's state, so a stacked step copies each
+    layer's weights (and, for attention's products, its KV cache) out of the stack before
+    multiplying, about 2.7× the bytes a step needs at batch 1 and 3× at batch 64 for
+    Qwen2.5-1.5B's shape; the per-layer arrays are read where they lie (docs/results/sampler.md).
+    Where the weights are split over several devices each decode step gathers every layer's
+    weights into a new array, which the matmuls read in place in either mode: stacked, without
+    the second copy. Elsewhere (XLA:CPU, a TPU, whose compiler reads the stack's slices in
+    place) `UNMEASURED`.
+    """
+    if platform == "gpu" and devices == 1:
+        return "per_layer"
+    return UNMEASURED
+
+
+def estimate(time_call: Callable[[str, int], float], tokens: int,
+             decode_steps: int = DECODE_STEPS) -> dict[str, float]:
     """Estimated seconds of a call drawing ``tokens`` tokens, per mode. ``time_call(mode, limit)``
     runs one call that draws at most ``limit`` tokens (compiled beforehand) and returns its
-    seconds."""
-    decode = min(DECODE_STEPS, tokens - 1)
+    seconds. ``decode_steps``: the decode steps of the longer call (a GPU's sampler decodes whole
+    chunks, `sampler.DECODE_CHUNK`, so it times one chunk)."""
+    decode = min(decode_steps, tokens - 1)
     fixed = dict.fromkeys(MODES, math.inf)
     longer = dict.fromkeys(MODES, math.inf)
     for _ in range(ROUNDS):

@@ -34,6 +34,11 @@ from logra_jax.rl.policy import Policy
 from logra_jax.sharding import mesh_of
 
 NEG_INF = -1e30
+# Decode steps a GPU takes between two reads of "is a row still going?" (`Sampler`'s in_chunks):
+# every read is a device-to-host copy that stalls the queue; 16 keeps the discarded passes after
+# the last row's end under 16 of a call's C − 1 (2 % of a 768-token completion).
+DECODE_CHUNK = 16
+CHUNKED_PLATFORMS = ("cuda", "rocm")   # `jax.lax.platform_dependent`'s names for the GPUs
 
 
 @jax.tree_util.register_dataclass
@@ -92,15 +97,29 @@ def pad_prompts(prompts: Sequence[Sequence[int]], length: int, pad_id: int):
 
 
 def first_argmax(x: jax.Array, axis: int) -> jax.Array:
-    """jnp.argmax(x, axis) (the first maximum's index, or the first NaN's), as two plain reductions.
+    """jnp.argmax(x, axis): the first maximum's index, or the first NaN's.
 
     XLA's CPU backend runs argmax, a reduction over (value, index) pairs, as a scalar loop: over
-    16 × 49 152 logits it took 3.3× as long as this max, then the smallest index holding it.
+    16 × 49 152 logits it took 3.3× as long as a max, then the smallest index holding it, which is
+    what a program compiled for XLA:CPU runs (`jax.lax.platform_dependent`). Elsewhere argmax's
+    own one-pass reduction (two passes over a [V, 64] f32 array are 39 MB more per decode step).
+    Both give the same index.
     """
-    top = jnp.max(x, axis=axis, keepdims=True)
-    index = jax.lax.broadcasted_iota(jnp.int32, x.shape, axis % x.ndim)
-    at_top = (x == top) | jnp.isnan(x)
-    return jnp.min(jnp.where(at_top, index, x.shape[axis]), axis=axis)
+    def two_reductions(x):
+        top = jnp.max(x, axis=axis, keepdims=True)
+        index = jax.lax.broadcasted_iota(jnp.int32, x.shape, axis % x.ndim)
+        at_top = (x == top) | jnp.isnan(x)
+        return jnp.min(jnp.where(at_top, index, x.shape[axis]), axis=axis)
+
+    return jax.lax.platform_dependent(
+        x, cpu=two_reductions, default=lambda x: jnp.argmax(x, axis=axis).astype(jnp.int32))
+
+
+def gumbel_noise(key: jax.Array, positions: jax.Array) -> jax.Array:
+    """−log(−log u) for the logits at row-major ``positions`` (uint32) of a [rows, V] array, u
+    from the counter hash (`gumbel_max` says why and how)."""
+    u = ((hash_positions(key, positions) >> 8).astype(jnp.float32) + 0.5) * (2.0 ** -24)
+    return jnp.log(-jnp.log(u))
 
 
 def gumbel_max(key: jax.Array, logits: jax.Array, *, vocab_axis: int = -1,
@@ -134,8 +153,7 @@ def gumbel_max(key: jax.Array, logits: jax.Array, *, vocab_axis: int = -1,
     if rows is not None:
         row = jnp.expand_dims(rows.astype(jnp.uint32), vocab_axis) + jnp.zeros_like(row)
     position = row * jnp.uint32(vocab) + jax.lax.broadcasted_iota(jnp.uint32, logits.shape, vocab_axis)
-    u = ((hash_positions(key, position) >> 8).astype(jnp.float32) + 0.5) * (2.0 ** -24)
-    return first_argmax(logits - jnp.log(-jnp.log(u)), vocab_axis)
+    return first_argmax(logits - gumbel_noise(key, position), vocab_axis)
 
 
 def filter_logits(logits: jax.Array, top_k: int, top_p: float) -> jax.Array:
@@ -152,6 +170,61 @@ def filter_logits(logits: jax.Array, top_k: int, top_p: float) -> jax.Array:
         threshold = jnp.min(jnp.where(keep, sorted_logits, jnp.inf), axis=-1, keepdims=True)
         logits = jnp.where(logits < threshold, NEG_INF, logits)
     return logits
+
+
+# How many of the most probable tokens a nucleus (top-p) draw chooses from, at least: XLA:GPU
+# finds up to 16 largest of each row in one pass of its TopK kernel and sorts the whole row
+# for more (a sort of every row's vocabulary per decode step); `truncation` says what it means.
+TOP_P_CANDIDATES = 16
+
+
+def truncation(logits: jax.Array, top_k: int, top_p: float, log_total: jax.Array | None = None):
+    """(values, ids, keep) [rows, n]: the candidates a top-k / top-p draw chooses from, the
+    n = max(top_k, TOP_P_CANDIDATES) largest logits of each row of ``logits`` [rows, V] (only
+    top_k when top_p = 1) in descending order (equal logits: the lower id first), their token
+    ids, and which of them the draw keeps:
+
+    - top-k: the first top_k candidates.
+    - top-p: the shortest prefix of the kept candidates whose probability reaches top_p (the
+      candidate crossing it is kept), probabilities of softmax(logits) (``log_total`` =
+      log Σ exp(logits) when given) or, with top_k, of softmax over the top_k candidates: the
+      nucleus of the full-vocabulary sort (`filter_logits`) whenever it has at most n tokens.
+      When the n candidates together hold less than top_p, all n are kept: the nucleus capped
+      at n tokens, where the full sort would keep more (a flat distribution).
+
+    Ties are where the two can also differ: `filter_logits` keeps every logit equal to the
+    k-th, or to the one crossing top_p; here a tie at either boundary is cut at the lower ids.
+    """
+    size = max(top_k, TOP_P_CANDIDATES) if top_p < 1.0 else top_k
+    size = min(size, logits.shape[-1])
+    values, ids = jax.lax.top_k(logits, size)
+    keep = jnp.ones(values.shape, bool)
+    if top_k:
+        keep = jax.lax.broadcasted_iota(jnp.int32, values.shape, 1) < top_k
+    if top_p < 1.0:
+        if top_k:
+            log_norm = jax.nn.logsumexp(jnp.where(keep, values, -jnp.inf), axis=-1, keepdims=True)
+        else:
+            log_norm = (jax.nn.logsumexp(logits, axis=-1) if log_total is None else log_total)[:, None]
+        probs = jnp.where(keep, jnp.exp(values - log_norm), 0.0)
+        keep = keep & (jnp.cumsum(probs, axis=-1) - probs < top_p)
+    return values, ids, keep
+
+
+def truncated_draw(key: jax.Array, logits: jax.Array, top_k: int, top_p: float,
+                   rows: jax.Array | None = None, log_total: jax.Array | None = None) -> jax.Array:
+    """One draw per row of ``logits`` [rows, V] among the tokens `truncation` keeps: the
+    Gumbel-max draw of `gumbel_max` (the same noise at each token's place in [rows, V], the
+    same first-index rule for equal perturbed logits), evaluated at the candidates only. So it
+    draws the token `gumbel_max` draws from `filter_logits`' output whenever the two keep the
+    same tokens."""
+    values, ids, keep = truncation(logits, top_k, top_p, log_total)
+    vocab = logits.shape[-1]
+    row = (jnp.arange(logits.shape[0], dtype=jnp.uint32) if rows is None else rows.astype(jnp.uint32))
+    perturbed = jnp.where(keep, values - gumbel_noise(key, row[:, None] * jnp.uint32(vocab)
+                                                      + ids.astype(jnp.uint32)), -jnp.inf)
+    best = jnp.max(perturbed, axis=-1, keepdims=True)
+    return jnp.min(jnp.where(perturbed == best, ids, vocab), axis=-1).astype(jnp.int32)
 
 
 def _platform(leaves) -> str:
@@ -175,18 +248,21 @@ class Sampler:
       decode_weights: how the decode steps read the layer stack. "stacked": the layers scan over
         the stacked weights and cache, as in training. "per_layer": the prompt is prefilled that
         way, then the weights and the cache are split into one array per layer, once per call,
-        and each decode step runs the layers one after the other on those arrays. XLA's CPU
-        backend copies a scanned layer's weights out of the stack before every dot, so a stacked
-        decode step moves each weight three times (measured 1.3× faster per_layer at batch 16 on
-        SmolLM2, docs/results/sampler.md); the price is a second copy of the layer weights while
-        sampling, and a longer compile. "auto" (``rl.decode_weights``' default): the faster of
-        the two where it runs, measured on the first call of each input signature (both
-        programs, a few decode steps on that call's own inputs; `decode_mode`), kept for later
-        calls, and logged in one line. Where nothing runs (``_generate.lower``: a plan compiled
-        for another machine; a call traced inside another jit) "auto" is stacked
-        (`decode_mode.UNMEASURED`), logged as not measured. The default here is "per_layer",
-        measured the faster on XLA:CPU at batches 1–64 and on one H200 at batch 1: a bare
-        Sampler (tests, tools) compiles the one program its caller asked for.
+        and each decode step runs the layers one after the other on those arrays. Both update
+        the KV cache in place, one slot per layer and token. XLA's CPU backend copies a scanned
+        layer's weights out of the stack before every dot, and XLA:GPU's matmuls do too
+        (`decode_mode.unmeasured` says why), so a stacked decode step moves each weight more
+        than once there (XLA:CPU: per_layer 1.3× faster at batch 16 on SmolLM2,
+        docs/results/sampler.md); the price of per_layer is a second copy of the layer weights
+        while sampling, and a longer compile. "auto" (``rl.decode_weights``' default): the
+        faster of the two where it runs, measured on the first call of each input signature
+        (both programs, a few decode steps on that call's own inputs; `decode_mode`), kept for
+        later calls, and logged in one line. Where nothing runs (``_generate.lower``: a plan
+        compiled for another machine; a call traced inside another jit) "auto" takes
+        `decode_mode.unmeasured`'s pick, logged as not measured: per_layer on one GPU, stacked
+        elsewhere. The default here is "per_layer", the faster on XLA:CPU at batches 1–64 and
+        on one H200 at batch 1: a bare Sampler (tests, tools) compiles the one program its
+        caller asked for.
       rows_per_pass: 0 (default) generates the whole batch in one pass. n > 0 generates it n rows at
         a time, one pass after the other inside the same program, so the KV cache and the decode's
         activations hold n rows (``rl.rollout_micro_batch``; what lets a 70B rollout batch of 128
@@ -264,7 +340,8 @@ class Sampler:
             return self.preset
         leaves = jax.tree.leaves(args)
         if self.per_layer_decode is not None or any(isinstance(x, jax.core.Tracer) for x in leaves):
-            return self._unmeasured(leaves, "a call traced inside another jit: nothing to time")
+            return self._unmeasured(leaves, "a call traced inside another jit: nothing to time",
+                                    static["mesh"])
         signature = tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves)
         if signature not in self.measured:
             self.measured[signature] = self._measure(args, static)
@@ -295,7 +372,9 @@ class Sampler:
                 if "RESOURCE_EXHAUSTED" not in str(e) or len(too_big) == len(decode_mode.MODES) - 1:
                     raise
                 too_big[mode] = e
-        seconds = decode_mode.estimate(time_call, self.max_completion_length)
+        # A GPU decodes whole chunks: a longer call shorter than one would time passes it discards.
+        steps = DECODE_CHUNK if _platform(jax.tree.leaves(args)) == "gpu" else decode_mode.DECODE_STEPS
+        seconds = decode_mode.estimate(time_call, self.max_completion_length, steps)
         mode = decode_mode.pick(seconds)
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
@@ -308,14 +387,18 @@ class Sampler:
                 f"on {_platform(jax.tree.leaves(args))}"))
         return mode, seconds
 
-    def _unmeasured(self, leaves, why: str) -> str:
-        """The fixed mode; for "auto" `decode_mode.UNMEASURED`, logged with the platform ``leaves``
-        are placed on and ``why``."""
+    def _unmeasured(self, leaves, why: str, mesh=None) -> str:
+        """The fixed mode; for "auto" `decode_mode.unmeasured` on the platform and devices the
+        call traces for (``mesh``, else where ``leaves`` are placed), logged with ``why``."""
         if self.per_layer_decode is not None:
             return "per_layer" if self.per_layer_decode else "stacked"
-        logging.info("decode_weights=auto: %s on %s, not measured (%s)", decode_mode.UNMEASURED,
-                     _platform(leaves), why)
-        return decode_mode.UNMEASURED
+        platform = mesh.abstract_device.platform if mesh is not None else _platform(leaves)
+        mode = decode_mode.unmeasured(platform, mesh.size if mesh is not None else 1)
+        if mode != decode_mode.UNMEASURED:
+            why = (why.split("; a run")[0] + "; XLA:GPU's stacked step on one GPU copies every "
+                   "layer's weights out of the stack, a run measures both")
+        logging.info("decode_weights=auto: %s on %s, not measured (%s)", mode, platform, why)
+        return mode
 
     @staticmethod
     def mesh_of(params, prompt_tokens):
@@ -348,8 +431,8 @@ class Sampler:
             per_layer = self._unmeasured(jax.tree.leaves((params, prompt_tokens, prompt_mask)),
                                          "lowered without running: a compile-only plan; a run "
                                          "measures both and may pick per_layer, which holds a "
-                                         "second copy of the layer weights while sampling"
-                                         ) == "per_layer"
+                                         "second copy of the layer weights while sampling",
+                                         mesh) == "per_layer"
         kwargs = dict(top_k=top_k, top_p=top_p, greedy=greedy, limit=limit, per_layer=per_layer)
         if mesh is None:
             return self._generate_batch(params, prompt_tokens, prompt_mask, rng, temperature,
@@ -408,49 +491,83 @@ class Sampler:
         def pick(logits_t, key):
             """(token, log softmax(logits / T) at the token) of every row of logits_t [V, b]."""
             scaled = logits_t / jnp.where(greedy, 1.0, temperature)
-            if greedy:
-                token = first_argmax(logits_t, axis=0)
-            elif top_k or top_p < 1.0:
-                token = gumbel_max(key, filter_logits(scaled.T, top_k, top_p), rows=rows)
-            else:
-                token = gumbel_max(key, scaled, vocab_axis=0, rows=rows)
             # log_softmax's arithmetic for the drawn entry only: (x − max) − log Σ exp(x − max).
             top = jnp.max(scaled, axis=0)
             log_total = jnp.log(jnp.sum(jnp.exp(scaled - top), axis=0))
+            if greedy:
+                token = first_argmax(logits_t, axis=0)
+            elif top_k or top_p < 1.0:
+                token = truncated_draw(key, scaled.T, top_k, top_p, rows=rows,
+                                       log_total=top + log_total)
+            else:
+                token = gumbel_max(key, scaled, vocab_axis=0, rows=rows)
             return token, (jnp.take_along_axis(scaled, token[None], axis=0)[0] - top) - log_total
 
-        def choose(step, cache, logits_t, done, position, key, tokens, logprobs, mask):
-            """Draws token ``step`` of every row from ``logits_t`` and records it."""
+        def choose(step, cache, logits_t, done, position, key, tokens, logprobs, mask,
+                   active=None):
+            """Draws token ``step`` of every row from ``logits_t`` and records it; with ``active``
+            (a chunk's step, `in_chunks`) only where it is True, the step counter left as it was
+            otherwise."""
             key, sub = jax.random.split(key)
             token, logprob = pick(logits_t, sub)
-            valid = ~done
+            if active is None:
+                valid = ~done
+                token = jnp.where(valid, token, self.pad_id)
+                tokens = tokens.at[:, step].set(token)
+                logprobs = logprobs.at[:, step].set(jnp.where(valid, logprob, 0.0))
+                mask = mask.at[:, step].set(valid)
+                done = done | jnp.isin(token, eos)
+                return step, cache, done, position, key, tokens, logprobs, mask, token, valid
+            valid = ~done & active
             token = jnp.where(valid, token, self.pad_id)
-            tokens = tokens.at[:, step].set(token)
-            logprobs = logprobs.at[:, step].set(jnp.where(valid, logprob, 0.0))
-            mask = mask.at[:, step].set(valid)
-            done = done | jnp.isin(token, eos)
+            column = jnp.where(active, step, steps)   # past the last column: dropped
+            tokens = tokens.at[:, column].set(token, mode="drop")
+            logprobs = logprobs.at[:, column].set(jnp.where(valid, logprob, 0.0), mode="drop")
+            mask = mask.at[:, column].set(valid, mode="drop")
+            done = done | (valid & jnp.isin(token, eos))
+            step = jnp.where(active, step, step - 1)
             return step, cache, done, position, key, tokens, logprobs, mask, token, valid
 
         last = steps if limit is None else jnp.minimum(steps, limit)
 
-        def cond(carry):
+        def more(carry):
+            """Whether another draw is due: a row is still going and a column is left."""
             step, _, done = carry[:3]
             return (step + 1 < last) & ~jnp.all(done)
 
-        def body(carry):
+        def decode(carry, chunked: bool = False):
             """The forward pass of the last drawn tokens, then the next draw from its logits."""
             step, cache, done, position, key, tokens, logprobs, mask, token, valid = carry
+            active = more(carry) if chunked else None
             hidden, cache = model(token[:, None], positions=position[:, None],
                                   segment_mask=valid[:, None], cache=cache, probes=probes,
                                   layers=layers, return_hidden=True)
             return choose(step + 1, cache, model.vocab_major_logits(hidden[:, -1]), done,
-                          position + 1, key, tokens, logprobs, mask)
+                          position + 1, key, tokens, logprobs, mask, active)
 
-        # A forward pass runs only for a draw that reads its logits: C tokens take the prefill and
-        # at most C − 1 decode passes, and none follows the draw that ends the last row.
+        def per_token(carry):
+            """A forward pass runs only for a draw that reads its logits: C tokens take the
+            prefill and at most C − 1 decode passes, and none follows the draw that ends the
+            last row."""
+            return jax.lax.while_loop(more, decode, carry)
+
+        def in_chunks(carry):
+            """DECODE_CHUNK decode steps at a time, each recording its draw only while one is
+            due (`more`): the loop's test, which a GPU reads on the host, comes once per chunk,
+            and the chunk is a loop of a known trip count that XLA:GPU may replay as one CUDA
+            graph. The draws are `per_token`'s (the same keys in the same order); up to
+            DECODE_CHUNK − 1 forward passes after the last one are computed and discarded (their
+            cache writes land past every slot a recorded draw read)."""
+            def chunk(carry):
+                return jax.lax.fori_loop(0, DECODE_CHUNK, lambda _, c: decode(c, chunked=True), carry)
+            return jax.lax.while_loop(more, chunk, carry)
+
         first = choose(jnp.int32(0), cache, last_logits, jnp.zeros((batch,), bool), next_position,
                        rng, jnp.full((batch, steps), self.pad_id, jnp.int32),
                        jnp.zeros((batch, steps), jnp.float32), jnp.zeros((batch, steps), bool))
-        _, _, done, _, _, tokens, logprobs, mask, _, _ = jax.lax.while_loop(cond, body, first)
+        # A GPU checks the loop's condition on the host: per chunk there, per token elsewhere
+        # (XLA:CPU runs the loop on the host anyway, a TPU evaluates the condition on the chip).
+        _, _, done, _, _, tokens, logprobs, mask, _, _ = jax.lax.platform_dependent(
+            first, default=per_token, **dict.fromkeys(CHUNKED_PLATFORMS, in_chunks))
         return SampleOutput(prompt_tokens=prompt_tokens, prompt_mask=prompt_mask, tokens=tokens,
                             logprobs=logprobs, mask=mask, finished=done)

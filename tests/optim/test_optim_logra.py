@@ -69,7 +69,7 @@ GRPO_KWARGS = dict(weight_decay=0.1, others_learning_rate=1e-3, **SKETCH)
 
 
 @pytest.fixture(scope="module")
-def grpo_run(tiny):
+def learning_rate_run(tiny):
     """Three steps of logra (GRPO) behind optax.clip_by_global_norm, with an lr schedule."""
     tx = optax.chain(optax.clip_by_global_norm(0.5), logra(learning_rate=SCHEDULE, **GRPO_KWARGS))
     params, state, history, update = _run(tx, tiny, 3)
@@ -136,21 +136,21 @@ def test_the_builder_merges_order_free_only_where_a_receiver_replays_the_merge(
 # ---------------------------------------------------------------- composition
 
 
-def test_inside_a_chain_with_clipping_and_a_schedule_compiles_once(tiny, grpo_run):
-    assert grpo_run["update"]._cache_size() == 1        # later calls reused the first compile
-    for u in grpo_run["history"]:
+def test_inside_a_chain_with_clipping_and_a_schedule_compiles_once(tiny, learning_rate_run):
+    assert learning_rate_run["update"]._cache_size() == 1        # later calls reused the first compile
+    for u in learning_rate_run["history"]:
         assert {p for p, x in leaves_with_paths(u) if isinstance(x, LowRankUpdate)} == TARGET_PATHS
-    ws = [float(u["gate_proj"]["kernel"].weight_scale) for u in grpo_run["history"]]
+    ws = [float(u["gate_proj"]["kernel"].weight_scale) for u in learning_rate_run["history"]]
     np.testing.assert_allclose(ws, [1 - float(SCHEDULE(t)) * 0.1 for t in range(3)], rtol=1e-6)
     before = float(tiny["loss"](tiny["params"], tiny["tokens"][0]))
-    assert float(tiny["loss"](grpo_run["params"], tiny["tokens"][0])) < before
+    assert float(tiny["loss"](learning_rate_run["params"], tiny["tokens"][0])) < before
 
 
-def test_inject_hyperparams_gives_identical_updates(tiny, grpo_run):
+def test_inject_hyperparams_gives_identical_updates(tiny, learning_rate_run):
     injected = optax.chain(optax.clip_by_global_norm(0.5), optax.inject_hyperparams(
         logra, static_args=LOGRA_STATIC_ARGS)(learning_rate=SCHEDULE, **GRPO_KWARGS))
     _, state, history, _ = _run(injected, tiny, 3)
-    for a, b in zip(grpo_run["history"], history):
+    for a, b in zip(learning_rate_run["history"], history):
         assert jax.tree.structure(a) == jax.tree.structure(b)
         for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
             np.testing.assert_array_equal(x, y)
@@ -164,10 +164,10 @@ def _update_indices(state):
             if hasattr(x, "update_index")]
 
 
-def test_update_index_counters_agree_and_each_layer_gets_its_own_a(grpo_run):
-    indices = _update_indices(grpo_run["state"])
+def test_update_index_counters_agree_and_each_layer_gets_its_own_a(learning_rate_run):
+    indices = _update_indices(learning_rate_run["state"])
     assert len(indices) == 3 and set(indices) == {3}    # every A-holding transform, in step
-    keys = [np.asarray(u["layers"]["up_proj"]["kernel"].key) for u in grpo_run["history"]]
+    keys = [np.asarray(u["layers"]["up_proj"]["kernel"].key) for u in learning_rate_run["history"]]
     assert not np.array_equal(keys[0], keys[1])          # refresh: a new A every update
     assert not np.array_equal(keys[0][0], keys[0][1])    # each layer of the stack has its own A
 
@@ -180,8 +180,8 @@ def test_refresh_off_keeps_a_at_index_zero(tiny):
     np.testing.assert_array_equal(keys[0], SPEC.keys(SPEC.info("layers/up_proj/kernel", (2, 8, 16)), 0))
 
 
-def test_low_rank_merge_equals_dense_reconstruction_and_optax_apply(tiny, grpo_run):
-    updates = grpo_run["history"][0]
+def test_low_rank_merge_equals_dense_reconstruction_and_optax_apply(tiny, learning_rate_run):
+    updates = learning_rate_run["history"][0]
     ours = jax.jit(apply_updates, donate_argnums=0)(jax.tree.map(jnp.copy, tiny["params"]), updates)
     drop_in = optax.apply_updates(tiny["params"], updates)
     kernels, ours, drop_in = (dict(leaves_with_paths(t)) for t in (tiny["params"], ours, drop_in))
@@ -297,7 +297,7 @@ def test_state_bytes_are_row_moments_adamw_for_others_and_scalars():
     other_bytes = sum(x.nbytes for x in jax.tree.leaves(others))
     adamw_on_targets = sum(2 * k.nbytes for k in targets.values())
 
-    for variant, adamw_bytes in (("grpo", 2 * other_bytes), ("kl", 0)):
+    for variant, adamw_bytes in (("learning_rate", 2 * other_bytes), ("kl", 0)):
         state = logra(variant=variant, **SKETCH).init(params)
         leaves = jax.tree.leaves(state)
         scalars = [x for x in leaves if x.ndim == 0]
@@ -361,7 +361,7 @@ def test_kl_variant_with_kl_control_lands_on_the_budget(tiny):
 
 
 # ---------------------------------------------------------------- the reference recipe's details
-def test_kl_variant_does_not_clip_and_grpo_clips_at_one_by_default(tiny):
+def test_kl_variant_does_not_clip_and_learning_rate_clips_at_one_by_default(tiny):
     """The reference KL variant never clips (§5: clipping is the GRPO variant's); grad norms of
     this tiny LM are ~1, so a threshold of 1e-3 clips every step and changes RowAdam's v."""
     def final(**kwargs):

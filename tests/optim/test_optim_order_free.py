@@ -122,13 +122,21 @@ def test_a_rank_without_exact_slices_is_refused():
         order_free_matmul(jnp.ones((4, 3)), jnp.ones((2, 3)), x_is_sign=True)
 
 
-def _primitive_counts(jaxpr, counts=None):
-    """{primitive name: occurrences} over a jaxpr and every jaxpr nested in it (loop bodies)."""
+def _primitive_counts(jaxpr, counts=None, platform="cpu"):
+    """{primitive name: occurrences} over a jaxpr and every jaxpr nested in it (loop bodies), of
+    the program lowered for ``platform``: of a ``platform_dependent`` choice, its branch only."""
     counts = {} if counts is None else counts
     for eqn in jaxpr.eqns:
         counts[eqn.primitive.name] = counts.get(eqn.primitive.name, 0) + 1
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            _primitive_counts(sub, counts)
+        subs = jax.extend.core.jaxprs_in_params(eqn.params)
+        if eqn.params.get("branches_platforms"):
+            chosen = [b for b, ps in zip(eqn.params["branches"], eqn.params["branches_platforms"])
+                      if ps is not None and platform in ps]
+            default = [b for b, ps in zip(eqn.params["branches"], eqn.params["branches_platforms"])
+                       if ps is None]
+            subs = [(chosen or default)[0].jaxpr]
+        for sub in subs:
+            _primitive_counts(sub, counts, platform)
     return counts
 
 
@@ -143,7 +151,7 @@ def test_a_merge_no_one_replays_is_one_plain_dot_of_the_same_product():
     plain = dataclasses.replace(exact, exact=False)
     counts = {name: _primitive_counts(jax.make_jaxpr(lambda k, u: u.merge_into(k))(kernel, u).jaxpr)
               for name, u in (("exact", exact), ("plain", plain))}
-    # The layer loop, then (exact only) the loop over slice pairs with its dot inside.
+    # On a CPU: the layer loop, then (exact only) the loop over slice pairs with its dot inside.
     assert counts["plain"]["scan"] == 1 and counts["plain"]["dot_general"] == 1, counts["plain"]
     assert counts["exact"]["scan"] == 2 and counts["exact"]["dot_general"] == 1, counts["exact"]
     a = np.stack([np.asarray(projection(k, 16, 48), np.float64) for k in exact.key])

@@ -77,3 +77,23 @@ def test_hashed_signs_are_balanced_uncorrelated_and_preserve_norms():
 def test_too_many_entries_for_the_counter_is_refused():
     with pytest.raises(ValueError, match="more than 2³²"):
         hashed_bits(jax.random.PRNGKey(0), (2 ** 16, 2 ** 16 + 1))
+
+
+def test_probes_carry_the_hash_words_of_their_own_keys():
+    """make_probes derives every target's hash words in one batched program; each layer's words
+    are its own key's (the A a probe draws is, bit for bit, the A its key draws)."""
+    from logra_jax.optim import SketchSpec, make_probes
+    params = {"layers": {"q_proj": {"kernel": jnp.zeros((3, 16, 8))},
+                         "up_proj": {"kernel": jnp.zeros((3, 16, 24))},
+                         "gate_proj": {"kernel": jnp.zeros((3, 16, 24))}},
+              "o_proj": {"kernel": jnp.zeros((16, 8))}}
+    probes = make_probes(params, 2, SketchSpec(rank=4, seed=7))
+    assert len(probes) == 4
+    for path, probe in probes.items():
+        keys = np.asarray(probe.key).reshape(-1, 2)
+        words = np.asarray(probe.words).reshape(-1, 2)
+        for key, word in zip(keys, words):
+            np.testing.assert_array_equal(word, np.asarray(jax.random.bits(key, (2,), jnp.uint32)))
+        last = jax.tree.map(lambda x: x[-1] if probe.key.ndim > 1 else x, probe)   # its last layer
+        np.testing.assert_array_equal(np.asarray(last.projection(16)),
+                                      np.asarray(projection(last.key, 4, 16)))

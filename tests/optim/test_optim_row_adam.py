@@ -45,7 +45,7 @@ def numpy_row_adam(sketch_steps, variant, b2, eps, num_tokens_steps):
             s = s / n
         v = (1 - b2) * np.mean(s ** 2, axis=-1) if v is None else b2 * v + (1 - b2) * np.mean(s ** 2, axis=-1)
         rho = np.sqrt(v / (1 - b2 ** t))
-        if variant == "grpo":
+        if variant == "learning_rate":
             d = s / (rho + eps)[..., None]
         else:
             d = np.empty_like(s)
@@ -69,7 +69,7 @@ def jitted():
     return get
 
 
-@pytest.mark.parametrize("variant", ["grpo", "kl"])
+@pytest.mark.parametrize("variant", ["learning_rate", "kl"])
 def test_matches_numpy_transcription_over_four_steps(jitted, variant):
     b2, eps = 0.9, 1e-3   # a visible ε, so its placement is checked too
     tx, update = jitted(variant, b2, eps)
@@ -90,7 +90,7 @@ def test_matches_numpy_transcription_over_four_steps(jitted, variant):
     assert state.v["layers"]["up_proj"]["kernel"].shape == (2, 5)   # one value per output row
 
 
-@pytest.mark.parametrize("variant", ["grpo", "kl"])
+@pytest.mark.parametrize("variant", ["learning_rate", "kl"])
 def test_first_step_is_scale_invariant(jitted, variant):
     tx, update = jitted(variant)
     base = _random_sketches(7)
@@ -105,7 +105,7 @@ def test_first_step_is_scale_invariant(jitted, variant):
             np.testing.assert_allclose(d, expected[path], rtol=1e-5, atol=1e-6 * np.abs(expected[path]).max())
 
 
-@pytest.mark.parametrize("variant", ["grpo", "kl", "sgd"])
+@pytest.mark.parametrize("variant", ["learning_rate", "kl", "sgd"])
 def test_zero_sketch_gives_zero_update(jitted, variant):
     tx, update = jitted(variant)
     zeros = {p: jnp.zeros(s) for p, s in SKETCH_SHAPES.items()}
@@ -125,7 +125,7 @@ def test_sgd_mode_is_the_sketch(jitted):
 
 
 def test_nan_sketch_is_dropped_and_counters_advance(jitted):
-    tx, update = jitted("grpo")
+    tx, update = jitted("learning_rate")
     _, state = update(_grads(_random_sketches(0)), tx.init(PARAMS), PARAMS)
     bad = _random_sketches(1)
     bad["o_proj/kernel"] = bad["o_proj/kernel"].at[0, 0].set(jnp.nan)
@@ -138,7 +138,7 @@ def test_nan_sketch_is_dropped_and_counters_advance(jitted):
 
 
 def test_dense_gradient_is_sketched_with_the_same_projection(jitted):
-    tx, update = jitted("grpo")
+    tx, update = jitted("learning_rate")
     rng = np.random.default_rng(5)
     dense = {"layers/up_proj/kernel": rng.normal(size=(2, 6, 5)), "o_proj/kernel": rng.normal(size=(7, 3))}
     sketches = {}
@@ -171,7 +171,7 @@ def test_bad_arguments_and_gradients_raise():
 
 @pytest.fixture(scope="module")
 def guarded():
-    tx = logra(variant="grpo", rank=4, seed=3, learning_rate=1e-2, weight_decay=0.1)
+    tx = logra(variant="learning_rate", rank=4, seed=3, learning_rate=1e-2, weight_decay=0.1)
     return tx, jax.jit(tx.update)
 
 
@@ -198,3 +198,18 @@ def test_logra_nonfinite_gradient_changes_no_weight(guarded, bad_leaf):
     for a, b in zip(jax.tree.leaves(kept_inner), jax.tree.leaves(skipped_inner)):
         if a.dtype != jnp.int32:
             np.testing.assert_array_equal(a, b)
+
+
+def test_logra_skips_a_nonfinite_gradient_whose_update_would_be_finite():
+    """A frozen non-target's gradient reaches no weight, and without clipping nothing carries it
+    into an update, yet a non-finite one still drops the whole update: logra reads the gradient's
+    finiteness off its reconstructed norm (skip_nonfinite(gradient_by_norm=True)), which sums the
+    square of every gradient entry."""
+    tx = logra(variant="learning_rate", rank=4, seed=3, learning_rate=1e-2, others="frozen",
+               max_grad_norm=float("inf"))
+    state = tx.init(PARAMS)
+    updates, state = jax.jit(tx.update)(
+        _grads(_random_sketches(1), norm_grad=jnp.ones((2, 5)).at[1, 3].set(jnp.nan)), state, PARAMS)
+    assert bool(logra_metrics(state)["logra/skipped"])
+    for a, b in zip(jax.tree.leaves(PARAMS), jax.tree.leaves(apply_updates(PARAMS, updates))):
+        np.testing.assert_array_equal(a, b)

@@ -10,20 +10,13 @@ from logra_jax.optim import logra, logra_metrics, variant_defaults, warmup_const
 from logra_jax.optim.logra import sketch_spec_of
 from logra_jax.rl.optimizers.base import Optimizer, OptimizerEntry
 
-# ``optimizer.logra.variant`` names LoGRA's two variants (docs/algorithm.md §4–6) by how each sizes
-# its step, so that an optimizer setting never reads as an RL algorithm beside ``rl.algorithm``:
-# "learning_rate", η(t)·D·A with weight decay and clipping (the paper's GRPO variant), and "kl",
-# update_ratio and the predicted-KL controller. `logra(variant=...)` calls the first "grpo".
-VARIANTS = {"learning_rate": "grpo", "kl": "kl"}
-
-
 def build(section: ml_collections.ConfigDict, *, warmup_steps: int,
           replayed_merge: bool) -> Optimizer:
     """`logra(**section)` with ``learning_rate`` warmed up over ``warmup_steps``. ``exact_merge``
     left None is decided by ``replayed_merge``: order-free where a receiver replays the merge, one
     plain dot elsewhere. The SketchSpec is the transformation's own (`sketch_spec_of`), so the
     update's probes draw the A the optimizer reconstructs with."""
-    kwargs = dict(section, variant=VARIANTS[section.variant])
+    kwargs = dict(section)
     if kwargs["exact_merge"] is None:
         kwargs["exact_merge"] = replayed_merge
     learning_rate = warmup_constant(kwargs.pop("learning_rate"), warmup_steps)
