@@ -174,7 +174,9 @@ VALUE_RULES: dict[str, Rule] = {
 }
 # Sections of free-form keyword arguments, checked by what reads them (a reasoning-gym task's own
 # arguments): any key may be set there.
-CHECKED_ELSEWHERE = ("data.task_kwargs.",)
+# model.tiny holds keyword arguments of models.ModelConfig (any of its fields: q/k norms, the
+# MLP's activation, ...), which the model's config refuses by name; the usual ones have rules above.
+CHECKED_ELSEWHERE = ("data.task_kwargs.", "model.tiny.")
 
 # Options only one algorithm reads (rl/update.py, rl/losses.py, rl/build.py): set to anything but
 # configs/base.py's default under the other algorithm, they change nothing, and `ignored_options`
