@@ -110,6 +110,9 @@ ROWS = [
     # before its weights exist.
     ("targets", dict(optimizer=dict(logra=dict(targets="no_such_layer"))),
      "optimizer.logra on this model: targets pattern 'no_such_layer' matched no parameter"),
+    # model.tiny is the model config's keyword arguments: a key that is none of its fields.
+    ("model-tiny-typo", dict(model=dict(tiny=dict(hiden_size=4))),
+     "model.tiny.hiden_size is not a field of the model's config"),
     ("rank-not-below-width", dict(optimizer=dict(logra=dict(rank=64))),
      "optimizer.logra on this model (optimizer.logra.rank=64): target 'layers/self_attn/o_proj/kernel': its sketch shape (2, 64, 64) equals its kernel shape, so a gradient leaf cannot tell dense from sketched; lower optimizer.logra.rank below 64"),
     ("rank-far-above-width", dict(optimizer=dict(logra=dict(rank=100000))),
