@@ -35,24 +35,17 @@ rollout batch) in the default mode: XLA's temporaries beside the KV cache that p
 ``--json FILE`` writes every figure; the header names the compiler and its versions.
 """
 
+import dataclasses
+import json
 import os
 import sys
 
-from launch import simulate_host_devices
+from absl import flags
 
-simulate_host_devices(8)   # the CPU backend jax starts beside the GPU targets; no run uses it
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+from launch import cli
 
-import dataclasses  # noqa: E402
-import json  # noqa: E402
-
-from absl import app, flags  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
-
-from logra_jax import config as config_lib  # noqa: E402
-
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file.",
-                                          lock_config=False)
+_CONFIG = cli.define_config(help_string="A configs/*.py file (or a run's config.json).",
+                            lock_config=False)
 _TARGET = flags.DEFINE_string("target", None, "A GPU node to compile for (XLA:GPU, the 'gpu-plan' "
                               "extra): a100-80gb-8, h100-8, h200-8, b200-8.")
 _MESH = flags.DEFINE_string("mesh", None, "Mesh over the target's GPUs, e.g. fsdp=1,tensor=1 "
@@ -196,6 +189,9 @@ def print_report(record) -> None:
 
 def main(argv):
     del argv
+    from launch import process
+    process.setup(8)   # the CPU backend jax starts beside the GPU targets; no run uses it
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")   # XLA:GPU compiles deviceless for the targets
     config = _CONFIG.value
     try:
         target = gpu_target(_TARGET.value)
@@ -248,5 +244,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    config_lib.check_argv(sys.argv[1:], required=("config",))
-    app.run(main)
+    cli.run(main, required=("config",))

@@ -17,17 +17,11 @@ import json
 import pathlib
 import sys
 
-from launch import simulate_host_devices
+from absl import flags
 
-simulate_host_devices(8)  # before jax is imported
+from launch import cli
 
-from absl import app, flags  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
-
-from logra_jax import config as config_lib  # noqa: E402
-
-_CONFIG = config_flags.DEFINE_config_file("config", None, "The runs' configs/*.py file.",
-                                          lock_config=True)
+_CONFIG = cli.define_config(help_string="The runs' configs/*.py file (or a run's config.json).")
 _RUNS = flags.DEFINE_multi_string("run", [], "label=workdir of a training run (latest checkpoint).")
 _INITIAL = flags.DEFINE_bool("initial", True, "Also evaluate the config's initial weights.")
 _DATA = flags.DEFINE_enum("data", "gsm8k", ["gsm8k", "task"], "Which questions.")
@@ -40,7 +34,6 @@ _COMPLETION_LEN = flags.DEFINE_integer("max_completion_length", 256, "Completion
 _TASK_SEED = flags.DEFINE_integer("task_seed", None, "--data task: the held-out seed (default: "
                                   "the config's data.task_seed + 1).")
 _OUT = flags.DEFINE_string("out", None, "JSON file for every completion and grade.")
-flags.mark_flags_as_required(["config"])
 
 
 def questions(config, data: str):
@@ -67,6 +60,9 @@ def questions(config, data: str):
 
 def main(argv):
     del argv
+    from launch import process
+    process.setup(8)   # the mesh of launch.train's runs (LOGRA_HOST_DEVICES: another count)
+    process.start_backend()
     from logra_jax import sharding as sharding_lib
     from logra_jax.export import restore_policy
     from logra_jax.rl import build
@@ -76,7 +72,7 @@ def main(argv):
 
     config = _CONFIG.value
     try:
-        runs = config_lib.parse_labelled(_RUNS.value, "run")
+        runs = cli.parse_labelled(_RUNS.value, "run")
         for label, workdir in runs.items():
             if not (workdir / "checkpoints").is_dir():
                 raise FileNotFoundError(f"--run {label}={workdir}: no checkpoints folder there")
@@ -126,5 +122,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    config_lib.check_argv(sys.argv[1:])
-    app.run(main)
+    cli.run(main, required=("config",))

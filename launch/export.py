@@ -10,9 +10,9 @@ that ``transformers.AutoModelForCausalLM.from_pretrained`` (and vLLM / SGLang) l
 
 import sys
 
-from absl import app, flags
+from absl import flags
 
-from logra_jax import config as config_lib
+from launch import cli
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "A training run's workdir.")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
@@ -23,7 +23,10 @@ _DTYPE = flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"],
 
 def main(argv):
     del argv
-    from logra_jax.export import export_run  # imports jax: after the flags are parsed
+    from launch import process
+    process.setup(1)
+    process.start_backend()
+    from logra_jax.export import export_run  # imports jax: after the setup
     try:
         out, step = export_run(_WORKDIR.value, _OUT.value, step=_STEP.value, dtype=_DTYPE.value)
     except (ValueError, FileNotFoundError, FileExistsError) as e:
@@ -32,5 +35,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    config_lib.check_argv(sys.argv[1:], required=("workdir", "out"))
-    app.run(main)
+    cli.run(main, required=("workdir", "out"))

@@ -16,7 +16,9 @@ import subprocess
 import sys
 import tarfile
 
-from absl import app, flags
+from absl import flags
+
+from launch import cli
 
 _OUT = flags.DEFINE_string("out", "runs/gpu_bundle.tar.gz", "The bundle to write.")
 _WHEELS = flags.DEFINE_string("wheels", "runs/gpu_wheels", "Folder of wheels to ship (\"\": none).")
@@ -52,6 +54,8 @@ def source_files() -> list[str]:
 
 def main(argv):
     del argv
+    from launch import process
+    process.setup(None)   # quiet: reading the GGUF imports jax, which starts no backend here
     from logra_jax.models import gguf_loader
     wheels = sorted(pathlib.Path(_WHEELS.value).glob("*.whl")) if _WHEELS.value else []
     if _WHEELS.value and not wheels:
@@ -85,4 +89,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

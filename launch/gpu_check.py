@@ -43,8 +43,9 @@ import subprocess
 import sys
 import time
 
-from absl import app, flags
+from absl import flags
 
+from launch import cli
 from launch.gpu_check_page import markdown
 from logra_jax.perf import machines
 
@@ -301,6 +302,8 @@ def plan_target_for(device_kind: str) -> str:
 
 def main(argv):
     del argv
+    from launch import process
+    process.setup(None)   # no jax here; the parts are processes that set up their own devices
     selected = PARTS if _PARTS.value is None else tuple(_PARTS.value)
     unknown = sorted(set(selected) - set(PARTS))
     if unknown:
@@ -344,4 +347,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

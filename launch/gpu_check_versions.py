@@ -12,7 +12,7 @@ import json
 import os
 import platform
 
-from launch import simulate_host_devices
+from launch import cli
 
 
 def version(name: str) -> str | None:
@@ -41,10 +41,12 @@ def versions() -> dict:
         mem_fraction=os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"))
 
 
-def main() -> None:
-    simulate_host_devices(1)   # on CPU: one device, as the one-device parts see it
+def main(argv) -> None:
+    del argv
+    from launch import process
+    process.setup(1)   # on CPU: one device, as the one-device parts see it
     print(json.dumps(versions()))
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

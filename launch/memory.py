@@ -44,42 +44,20 @@ which process drives it, so the table is per device as always, and the header ad
 share.
 """
 
+import dataclasses
+import json
 import math
 import os
 import sys
+import tempfile
 
-from launch import simulate_host_devices
+from absl import flags
 
-# Simulated devices must be configured before jax starts its CPU backend: enough for the mesh and
-# rollout devices named on the command line, at least 8; LOGRA_HOST_DEVICES or an XLA_FLAGS count wins.
-def _host_devices(argv) -> int:
-    mesh, rollout = 8, 0
-    for i, arg in enumerate(argv):
-        value = arg.split("=", 1)[1] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
-        try:
-            if arg.startswith("--mesh"):
-                mesh = math.prod(abs(int(part.split("=")[1])) for part in value.split(","))
-            elif arg.startswith("--rollout_devices"):
-                rollout = int(value)
-        except (IndexError, ValueError):
-            pass  # a malformed flag is reported once the flags are parsed
-    return max(8, mesh + rollout)
+from launch import cli
+from logra_jax import config as config_lib
 
-
-simulate_host_devices(_host_devices(sys.argv[1:]))
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
-import dataclasses  # noqa: E402
-import json  # noqa: E402
-import tempfile  # noqa: E402
-
-from absl import app, flags  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
-
-from logra_jax import config as config_lib  # noqa: E402
-
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file.",
-                                          lock_config=False)
+_CONFIG = cli.define_config(help_string="A configs/*.py file (or a run's config.json).",
+                            lock_config=False)
 _MESH = flags.DEFINE_string("mesh", None, "Training mesh, e.g. fsdp=4,tensor=1 (default: config.mesh).")
 _OPTIMIZER = flags.DEFINE_enum("optimizer", None, list(config_lib.OPTIMIZERS),
                                "Optimizer to measure (default: config.optimizer.name).")
@@ -109,7 +87,6 @@ _ROLLOUT_COMPILE = flags.DEFINE_bool(
     "compile_rollout", None, "Also compile the sampler's generate for the rollout batch, so the "
     "rollout phase is the compiler's figure, not weights + KV cache from shapes (default: on for "
     "GPU and TPU targets, off for cpu).")
-flags.mark_flags_as_required(["config"])
 
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -212,8 +189,44 @@ def measure(config, cols, mesh_sizes, rollout_devices, micro_steps, explain, hoi
     return Measured(mesh, steps, loops, rollouts if compile_rollout else None, breakdowns, refused)
 
 
+def host_devices(mesh: str | None, rollout_devices: int | None) -> int:
+    """The CPU devices to simulate: enough for ``--mesh`` and ``--rollout_devices`` on XLA:CPU, at
+    least 8 (a target other than cpu brings its own devices; these only hold the CPU side)."""
+    try:
+        wanted = math.prod(abs(size) for size in parse_mesh(mesh).values()) if mesh else 8
+    except ValueError:
+        wanted = 8   # main names the malformed --mesh
+    return max(8, wanted + (rollout_devices or 0))
+
+
+def check_mesh_fits(mesh_sizes: dict[str, int], rollout_devices: int, devices: list,
+                    target_name: str, hosts: int) -> None:
+    """A mesh larger than the devices it is planned on is one line saying what fits: a smaller
+    mesh, or as many whole nodes as it fills (``--hosts``); on XLA:CPU, more simulated devices."""
+    fixed = [size for size in mesh_sizes.values() if size != -1]
+    needed = math.prod(fixed) + rollout_devices
+    if -1 in mesh_sizes.values() or needed <= len(devices):
+        return
+    layout = ",".join(f"{name}={size}" for name, size in mesh_sizes.items())
+    per_host = len(devices) // hosts
+    if target_name == "cpu":
+        more = f" (XLA:CPU simulates {len(devices)} here: LOGRA_HOST_DEVICES={needed} gives more)"
+    elif needed % per_host == 0:   # launch.memory splits a mesh evenly over whole nodes
+        more = f", or --hosts {needed // per_host} for that many nodes of {per_host}"
+    else:
+        more = f" (or a multiple of {per_host} with --hosts: one node holds {per_host})"
+    raise ValueError(f"--mesh {layout} needs {math.prod(fixed)} devices"
+                     + (f" + {rollout_devices} for the rollout" if rollout_devices else "")
+                     + f", and {target_name}" + (f" × {hosts} hosts" if hosts > 1 else "")
+                     + f" has {len(devices)}: give a mesh of at most "
+                     f"{len(devices) - rollout_devices} devices{more}")
+
+
 def main(argv):
     del argv
+    from launch import process
+    process.setup(host_devices(_MESH.value, _ROLLOUT.value))
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")   # XLA:CPU plans; targets compile deviceless
     from launch.memory_report import (cost_lines, fit_line, format_table, gib, refusal_line,
                                       target_header)
     from logra_jax.perf import machines, memory
@@ -234,6 +247,10 @@ def main(argv):
             mesh_sizes = {"fsdp": len(devices) - rollout_devices, "tensor": 1}
         else:
             mesh_sizes = dict(config.mesh)
+        if _MESH.value:
+            import jax
+            check_mesh_fits(mesh_sizes, rollout_devices, devices or jax.devices(),
+                            target.name if target else "cpu", _HOSTS.value)
         compile_rollout = (target is not None if _ROLLOUT_COMPILE.value is None
                            else _ROLLOUT_COMPILE.value)
         measured = measure(
@@ -305,5 +322,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    config_lib.check_argv(sys.argv[1:])
-    app.run(main)
+    cli.run(main, required=("config",))

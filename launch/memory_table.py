@@ -34,7 +34,9 @@ import subprocess
 import sys
 import time
 
-from absl import app, flags
+from absl import flags
+
+from launch import cli
 
 GIB = 2 ** 30
 _DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
@@ -170,11 +172,12 @@ def define_flags():
     flags.DEFINE_string("workdir", None, "Where each cell's JSON and log are kept.")
     flags.DEFINE_string("out", None, "Also write the markdown table here.")
     flags.DEFINE_bool("report_only", False, "Run nothing: tabulate the cells done.")
-    flags.mark_flags_as_required(["workdir"])
 
 
 def main(argv):
     del argv
+    from launch import process
+    process.setup(None)   # each cell is a launch.memory process that sets its own device count
     f = flags.FLAGS
     workdir = pathlib.Path(f.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -191,4 +194,4 @@ def main(argv):
 
 if __name__ == "__main__":
     define_flags()
-    app.run(main)
+    cli.run(main, required=("workdir",))

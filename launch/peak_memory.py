@@ -9,11 +9,10 @@ XLA itself, with the figure its message or log states. Otherwise it runs once an
 """
 
 import contextlib
-import os
 import sys
-import tempfile
 import time
 
+from launch.process import captured_stderr
 from launch.update_bench import random_update
 
 GIB = 2**30
@@ -31,23 +30,17 @@ def device_limit(device, budget_gib: float | None) -> tuple[int | None, str]:
 
 @contextlib.contextmanager
 def _stderr_copied(into: list):
-    """Runs the block with file descriptor 2 (where XLA's C++ logs go) sent to a temporary file,
-    then writes that text to the real stderr and appends it to ``into``: XLA states what a program
-    needs ("only reduced to 167.29GiB") in a log line, not in the exception."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile(mode="w+b") as log:
-        os.dup2(log.fileno(), 2)
-        try:
+    """Runs the block with XLA's C++ log lines (file descriptor 2) captured, then writes them to
+    stderr and appends them to ``into``: XLA states what a program needs ("only reduced to
+    167.29GiB") in a log line, not in the exception."""
+    log = None
+    try:
+        with captured_stderr() as log:
             yield
-        finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-            log.seek(0)
-            text = log.read().decode("utf-8", "replace")
-            sys.stderr.write(text)
-            into.append(text)
+    finally:
+        if log is not None:
+            sys.stderr.write(log.text)
+            into.append(log.text)
 
 
 def _does_not_fit(result: dict, needs: int, why: str) -> dict:

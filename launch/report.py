@@ -24,9 +24,9 @@ import pathlib
 import sys
 
 import numpy as np
-from absl import app, flags
+from absl import flags
 
-from logra_jax import config as config_lib
+from launch import cli
 from logra_jax.extras import require
 from logra_jax.metrics import read_jsonl
 
@@ -34,7 +34,6 @@ _OUT = flags.DEFINE_string("out", None, "Folder for the PNGs.")
 _RUNS = flags.DEFINE_multi_string("run", [], "label=workdir of a training run (metrics.jsonl).")
 _MEMORY = flags.DEFINE_multi_string("memory", [], "label=file written by launch.memory --json.")
 _WINDOW = flags.DEFINE_integer("window", 4, "Steps in the running mean of the reward.")
-flags.mark_flag_as_required("out")
 
 GIB = 2.0 ** 30
 
@@ -198,11 +197,13 @@ def plot_memory(reports: dict[str, dict], path: pathlib.Path) -> None:
 
 def main(argv) -> None:
     del argv
+    from launch import process
+    process.setup(None)   # plots from files: no jax
     out = pathlib.Path(_OUT.value)
     try:
-        run_dirs = config_lib.parse_labelled(_RUNS.value, "run")
+        run_dirs = cli.parse_labelled(_RUNS.value, "run")
         runs = {label: load_run(path) for label, path in run_dirs.items()}
-        memory_files = config_lib.parse_labelled(_MEMORY.value, "memory")
+        memory_files = cli.parse_labelled(_MEMORY.value, "memory")
         missing = [str(p) for p in memory_files.values() if not p.is_file()]
         if missing:
             raise FileNotFoundError(f"memory report(s) not found: {', '.join(missing)}")
@@ -229,4 +230,4 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main, required=("out",))

@@ -23,24 +23,20 @@ The run ends with the trainer's checkpoint of the last step (its seconds are not
 the workdir is deleted afterwards unless ``--workdir`` names one.
 """
 
+import json
+import pathlib
+import shutil
+import statistics
 import sys
+import tempfile
+import time
 
-from launch import simulate_host_devices
+from absl import flags
 
-simulate_host_devices(1)  # before jax is imported: one CPU device unless LOGRA_HOST_DEVICES says more
+from launch import cli
 
-import json  # noqa: E402
-import pathlib  # noqa: E402
-import shutil  # noqa: E402
-import statistics  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-
-from absl import app, flags  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
-
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file.",
-                                          lock_config=False)
+_CONFIG = cli.define_config(help_string="A configs/*.py file (or a run's config.json).",
+                            lock_config=False)
 _STEPS = flags.DEFINE_integer("steps", 3, "Steps to run; the first compiles and is reported apart.")
 _JSON = flags.DEFINE_string("json", None, "Also write the result to this JSON file.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Keep the run here (default: a temporary folder, "
@@ -49,7 +45,6 @@ _PROMPTS = flags.DEFINE_enum("prompts", "sums", ["sums", "config"], "sums: seede
                              "(no package); config: the config's data source.")
 _REFERENCE = flags.DEFINE_bool("reference_batch", False, "The reference GRPO batch (16 × 8 rows of "
                                "512 + 1536 tokens).")
-flags.mark_flags_as_required(["config"])
 
 PHASES = ("rollout", "reward", "reference", "update", "sync")
 
@@ -114,6 +109,8 @@ def main(argv):
     del argv
     if _STEPS.value < 2:
         sys.exit(f"error: --steps must be ≥ 2 (the first compiles), got {_STEPS.value}")
+    from launch import process
+    process.setup(1)   # one CPU device unless LOGRA_HOST_DEVICES says more
     import jax
     from logra_jax import metrics as metrics_lib
     from logra_jax.rl import trainer
@@ -138,6 +135,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    from logra_jax import config as config_lib
-    config_lib.check_argv(sys.argv[1:])
-    app.run(main)
+    cli.run(main, required=("config",))

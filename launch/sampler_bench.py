@@ -34,38 +34,18 @@ products run below the sgemm rate); the gap between achieved/roofline and ``best
 sampler's own.
 """
 
+import json
+import statistics
 import sys
+import time
 
-from launch import cpu_model, simulate_host_devices
+from absl import flags
 
+from launch import cli
+from launch.bench_stats import cpu_model
 
-
-def _host_devices(argv) -> int:
-    """As many simulated devices as the largest of --meshes (default 1,8): a process with 8
-    simulated CPU devices runs even a one-device program slower (SmolLM2 at batch 16 on one
-    device: 4.82 s in an 8-device process, 3.91 s in a 1-device one, same minute), so
-    `--meshes 1` measures one device in a process of one."""
-    for i, arg in enumerate(argv):
-        if arg.startswith("--meshes"):
-            value = arg.split("=", 1)[1] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
-            try:
-                return max(int(m) for m in value.split(","))
-            except ValueError:
-                pass  # a malformed flag is reported once the flags are parsed
-    return 8
-
-
-simulate_host_devices(_host_devices(sys.argv[1:]))  # before jax is imported
-
-import json  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
-
-from absl import app, flags  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
-
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/default.py", "The model's config.",
-                                          lock_config=False)
+_CONFIG = cli.define_config(default="configs/default.py", help_string="The model's config.",
+                            lock_config=False)
 _BATCHES = flags.DEFINE_list("batches", ["1", "16", "64"], "Rows per generate call.")
 _MESHES = flags.DEFINE_list("meshes", ["1", "8"], "Devices the batch is split over (fsdp).")
 _PROMPT = flags.DEFINE_integer("prompt_length", 64, "Prompt tokens per row.")
@@ -194,6 +174,11 @@ def main(argv):
                  f"{_MESHES.value}")
     if min(batches) < 1 or min(meshes) < 1 or _REPEATS.value < 1:
         sys.exit("error: --batches, --meshes and --repeats must be ≥ 1")
+    from launch import process
+    # As many simulated devices as the largest mesh: a process with 8 simulated CPU devices runs
+    # even a one-device program slower (SmolLM2 at batch 16 on one device: 4.82 s in an 8-device
+    # process, 3.91 s in a 1-device one, same minute), so `--meshes 1` measures one device alone.
+    process.setup(max(meshes))
     import jax
     import numpy as np
     from logra_jax import sharding as sharding_lib
@@ -266,6 +251,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    from logra_jax import config as config_lib
-    config_lib.check_argv(sys.argv[1:])
-    app.run(main)
+    cli.run(main)

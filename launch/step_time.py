@@ -71,31 +71,24 @@ plan is judged against that budget) the update is not run and the line before th
 RESOURCE_EXHAUSTED from XLA itself, with the figure its message or log states.
 """
 
+import dataclasses
+import json
+import statistics
 import sys
+import time
 
-# The timing compares the two optimizers on one device (the simulated 8-device CPU of the tests
-# would only split the same cores 8 ways).
-from launch import cpu_model, paired_ratio, simulate_host_devices  # noqa: E402
+from absl import flags
 
-simulate_host_devices(1)
+from launch import cli
+from launch.bench_stats import cpu_model, paired_ratio
+from launch.merge_time import print_merge, time_merge
+from launch.op_counts import count_ops, print_counts, ratio
+from launch.peak_memory import peak_memory
+from launch.update_bench import random_update, width_configs
+from launch.update_profile import print_profiles, profile_widths
 
-import dataclasses  # noqa: E402
-import json  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
-
-from absl import app, flags  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
-
-from launch.merge_time import print_merge, time_merge  # noqa: E402
-from launch.op_counts import count_ops, print_counts, ratio  # noqa: E402
-from launch.peak_memory import peak_memory  # noqa: E402
-from launch.update_bench import random_update, width_configs  # noqa: E402
-from launch.update_profile import print_profiles, profile_widths  # noqa: E402
-
-_CONFIG = config_flags.DEFINE_config_file("config", None, "configs/*.py for --peak_memory or "
-                                          "--count_ops.",
-                                          lock_config=False)
+_CONFIG = cli.define_config(help_string="configs/*.py for --peak_memory or --count_ops.",
+                            lock_config=False)
 _PEAK = flags.DEFINE_bool("peak_memory", False, "Measure one update's peak device memory.")
 _COUNT = flags.DEFINE_bool("count_ops", False, "Print the matmul operations of --config's update, "
                            "LoGRA vs AdamW, from shapes alone.")
@@ -289,6 +282,10 @@ def _profile_main(widths: list[int]) -> None:
 
 def main(argv):
     del argv
+    from launch import process
+    # The timing compares the two optimizers on one device (8 simulated CPU devices would only
+    # split the same cores 8 ways); LOGRA_HOST_DEVICES gives more.
+    process.setup(1)
     if _COUNT.value:
         return _count_ops_main()
     if _PEAK.value:
@@ -307,4 +304,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

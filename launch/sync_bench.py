@@ -22,13 +22,11 @@ of one sync (CPU-simulated devices: only the ratios carry over to real hardware)
 import os
 import sys
 
-from launch import simulate_host_devices  # noqa: E402
+from absl import flags
 
-simulate_host_devices(8)  # 4 train + 4 roll out
+from launch import cli
 
-from absl import app, flags  # noqa: E402
-
-from configs import base  # noqa: E402
+from configs import base
 
 # The default job is configs/default.py where it exists; configs/base.py has the same model and rank.
 _DEFAULT_JOB = "configs/default.py" if os.path.exists("configs/default.py") else "configs/base.py"
@@ -216,6 +214,8 @@ def measured_table(config_path: str, updates: int, variants=tuple(VARIANTS),
 
 def main(argv):
     del argv
+    from launch import process
+    process.setup(8)   # 4 devices train, 4 roll out
     for path in _CONFIGS.value + [_MEASURE_CONFIG.value]:
         if not os.path.exists(path):
             sys.exit(f"error: config file {path!r} not found")
@@ -235,4 +235,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -16,6 +16,7 @@ import json
 import os
 import pathlib
 import re
+import sys
 from typing import Any
 
 import jax
@@ -29,12 +30,11 @@ from logra_jax import distributed
 def _quiet(most_verbose: int = logging.WARNING):
     """Orbax logs a dozen INFO lines per save through absl; keep a training log readable.
 
-    Afterwards both levels absl's verbosity may have moved come back: under ``app.run`` it is the
-    root logger's (absl's logger left unset), elsewhere absl's own logger's. Restoring the
-    verbosity alone pinned an explicit level on absl's logger where it had none, and every later
-    absl INFO line of the process (the sampler's decode choice, say) was lost to a handler that
-    asked for INFO; restoring absl's logger alone left the root at WARNING under ``app.run`` (the
-    "resumed from" line of launch.train was lost)."""
+    Afterwards both levels absl's verbosity may have moved come back, since either can be the one
+    in effect: under ``app.run`` the root logger's (absl's own logger left unset), elsewhere absl's
+    logger's. Restoring only one would leave the other pinned: an explicit level on absl's logger
+    where it had none hides every later INFO line of the process, and a root left at WARNING under
+    ``app.run`` hides the run's own INFO lines ("resumed from ...")."""
     absl_logger = logging.get_absl_logger()
     own_level, verbosity = absl_logger.level, logging.get_verbosity()
     logging.set_verbosity(min(verbosity, most_verbose))  # absl: larger = more verbose
@@ -46,28 +46,41 @@ def _quiet(most_verbose: int = logging.WARNING):
 
 
 class Checkpointer:
-    """Saves and restores (state pytree, meta dict) under ``directory/<step>``."""
+    """Saves and restores (state pytree, meta dict) under ``directory/<step>``. The folder is
+    created by the first save: a run that ends before it leaves none."""
 
     def __init__(self, directory: str | pathlib.Path, *, keep: int = 3):
         if keep < 1:
             raise ValueError(f"checkpoint keep must be >= 1, got {keep}")
         self.directory = pathlib.Path(directory).absolute()
-        # Synchronous saves: a step is only reported done once it is on disk, which is what resume
-        # and the tests rely on; a save costs well under the step time of any real run.
-        with _quiet():
-            self._manager = ocp.CheckpointManager(
-                self.directory,
-                options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
-                                                     enable_async_checkpointing=False),
-                item_names=("state", "meta"),
-            )
+        self._keep = keep
+        self._opened = None
+        if self.directory.exists():
+            self._manager   # noqa: B018  reads the checkpoints there now, as orbax does
+
+    @property
+    def _manager(self) -> ocp.CheckpointManager:
+        """Orbax's manager of the folder (creating it)."""
+        if self._opened is None:
+            # Synchronous saves: a step is only reported done once it is on disk, which is what
+            # resume and the tests rely on; a save costs well under the step time of any real run.
+            with _quiet():
+                self._opened = ocp.CheckpointManager(
+                    self.directory,
+                    options=ocp.CheckpointManagerOptions(max_to_keep=self._keep, create=True,
+                                                         enable_async_checkpointing=False),
+                    item_names=("state", "meta"),
+                )
+        return self._opened
 
     def latest_step(self) -> int | None:
+        if self._opened is None:
+            return None
         with _quiet():
             return self._manager.latest_step()
 
     def all_steps(self) -> list[int]:
-        return list(self._manager.all_steps())
+        return [] if self._opened is None else list(self._manager.all_steps())
 
     def read_meta(self, step: int) -> dict:
         """The JSON meta of checkpoint ``step`` alone (no arrays read: a resume checks it before
@@ -112,9 +125,14 @@ class Checkpointer:
         """
         failures = []
         for step in sorted(self.all_steps(), reverse=True):
+            torn = self._torn_metadata(step)
+            if torn is not None:   # orbax is not asked: see _torn_metadata
+                failures.append((step, torn))
+                continue
             try:
                 # Orbax logs the failure of a damaged folder itself; the warning or error below
                 # says the same, naming the checkpoint.
+                _drop_abandoned_reads()
                 with _quiet(logging.FATAL):
                     state, meta = self.restore(step, abstract_state)
             except Exception as e:  # orbax raises many kinds of error for a damaged folder
@@ -138,12 +156,27 @@ class Checkpointer:
                              f"resume with the original config or use a new workdir")
         return None
 
+    def _torn_metadata(self, step: int) -> str | None:
+        """"<file> is not valid JSON: <why>" for the first metadata file of checkpoint ``step``
+        that a restore needs and cannot parse (a write cut short), else None. Checked before orbax
+        restores: its restore of such a folder fails after starting every array's read, and the
+        reads it drops then print "Event loop is closed" tracebacks whenever they are collected."""
+        folder = self.directory / str(step)
+        for path in sorted(folder.rglob("*")):
+            if path.is_file() and _needed_json(path):
+                try:
+                    json.loads(path.read_bytes())
+                except ValueError as e:
+                    return f"{path} is not valid JSON: {e}"
+        return None
+
     def _damage(self, step: int, error: BaseException) -> str:
         """Why checkpoint ``step`` does not restore, naming the file where the error does not: a
         JSON metadata file cut short fails with a bare "Expecting value: line 1 column 144"."""
         reason = failure_reason(error)
         for path in sorted((self.directory / str(step)).rglob("*")):
-            if path.name in _JSON_FILES and path.is_file() and str(path) not in reason:
+            if (path.name in _JSON_FILES or _needed_json(path)) and path.is_file() \
+                    and str(path) not in reason:
                 try:
                     json.loads(path.read_bytes())
                 except ValueError:
@@ -175,12 +208,49 @@ class Checkpointer:
         return jax.device_put(params, jax.tree.map(lambda x: x.sharding, abstract_params))
 
     def close(self) -> None:
-        with _quiet():
-            self._manager.close()
+        if self._opened is not None:
+            with _quiet():
+                self._opened.close()
+            self._opened = None
 
 
 # The JSON files orbax writes into a checkpoint folder (its own metadata and our meta item).
 _JSON_FILES = ("_CHECKPOINT_METADATA", "_METADATA", "metadata", "_sharding")
+
+
+def _needed_json(path: pathlib.Path) -> bool:
+    """A JSON file a restore cannot do without: the arrays' ``_METADATA`` and per-process
+    ``array_metadatas/``, and our ``meta`` item (orbax restores without ``_CHECKPOINT_METADATA``
+    and ``_sharding``)."""
+    return path.name in ("_METADATA", "metadata") or path.parent.name == "array_metadatas"
+
+
+def _abandoned_read(unraisable) -> bool:
+    """An "exception ignored" that a failed restore leaves behind: orbax reads every array in
+    coroutines on an event loop of its own; when one read fails it closes the loop, and each read
+    still in flight is reported when it finishes ("Event loop is closed") or when its coroutine is
+    collected — seconds later, anywhere in the process, dozens of tracebacks."""
+    error, source = unraisable.exc_value, unraisable.object
+    if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
+        return True
+    code = getattr(source, "cr_code", None)
+    return code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename
+
+
+def _drop_abandoned_reads() -> None:
+    """From a restore on, the process drops `_abandoned_read` reports (one can come while the
+    restore is still failing, from orbax's reader thread): the failure itself is said once, by the
+    warning or the error that names the checkpoint. Every other report goes to the hook that was
+    in place."""
+    previous = sys.unraisablehook
+    if getattr(previous, "drops_abandoned_reads", False):
+        return
+
+    def hook(unraisable):
+        if not _abandoned_read(unraisable):
+            previous(unraisable)
+    hook.drops_abandoned_reads = True
+    sys.unraisablehook = hook
 
 
 def _chain(error: BaseException) -> list[BaseException]:
@@ -191,9 +261,18 @@ def _chain(error: BaseException) -> list[BaseException]:
     return chain
 
 
+# Tensorstore's bracketed appendices to a message: the spec of the store it opened (hundreds of
+# characters of JSON, twice) and the C++ source locations. The reason comes before them.
+_APPENDIX = re.compile(r"\s*\[(?:tensorstore_spec(?:\[\d+\])?|source locations)='.*?'\]", re.DOTALL)
+
+
 def _shorten(text: str, most: int = 400) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= most else f"{text[:most // 2]} … {text[-most // 2:]}"
+    """``text`` for one line: without tensorstore's appendices, then, if still longer than
+    ``most``, its start (the status) and its end kept: tensorstore nests "Error opening …: Error
+    reading …:" contexts, each naming a path, before the reason, which comes last."""
+    text = " ".join(_APPENDIX.sub("", text).split())
+    head = most // 4
+    return text if len(text) <= most else f"{text[:head]} … {text[-(most - head):]}"
 
 
 def failure_reason(error: BaseException) -> str:

@@ -96,7 +96,19 @@ def model_config_from(cfg: ml_collections.ConfigDict) -> ModelConfig:
         return shape_config(cfg.source[len(RANDOM_PREFIX):], **numerics)
     if cfg.source == "tiny":
         # configs/base.py's tiny decoder uses SmolLM2's tokenizer: its vocabulary of 49152.
-        return ModelConfig(vocab_size=49152, **numerics, **dict(cfg.tiny))
+        return ModelConfig(vocab_size=49152, **numerics, **tiny_fields(cfg.tiny))
     raise ValueError(f"model.source={cfg.source!r} has weights, not a shape; use "
                      f"'{SHAPE_PREFIX}<name>' or '{RANDOM_PREFIX}<name>' (one of {sorted(MODEL_SHAPES)}) or "
                      f"'tiny' for memory planning")
+
+
+def tiny_fields(tiny: ml_collections.ConfigDict) -> dict:
+    """``model.tiny`` as ModelConfig's keyword arguments; a key that is none of its fields is a
+    ValueError naming it (model.tiny is free-form in the config's schema: any field may be set)."""
+    import dataclasses
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(set(tiny) - fields)
+    if unknown:
+        raise ValueError(f"model.tiny.{unknown[0]} is not a field of the model's config "
+                         f"(logra_jax/models/config.py: ModelConfig)")
+    return dict(tiny)

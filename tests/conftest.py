@@ -11,8 +11,8 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_backend_optimization_level=0").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Two threads per device in XLA:CPU's pool, as every launch.* command has: with one, a device
-# waiting in two collectives at once starves another (launch/__init__.py: size_cpu_thread_pool).
-from launch import size_cpu_thread_pool  # noqa: E402
+# waiting in two collectives at once starves another (launch/process.py: size_cpu_thread_pool).
+from launch.process import size_cpu_thread_pool  # noqa: E402
 
 size_cpu_thread_pool(8)
 # One persistent compilation cache per test session, inherited by the launch.* subprocesses: the
@@ -23,15 +23,26 @@ size_cpu_thread_pool(8)
 # 13.9 s warm keeping all).
 # Each pytest-xdist worker gets its own (two processes never write one cache at once), as it gets
 # its own tfds data folder (tfds prepares a dataset in place; before tensorflow_datasets is imported).
+# The process that makes a folder removes it when it exits (the launch.* subprocesses that inherit
+# it end first): a test session leaves nothing in /tmp.
+import atexit  # noqa: E402
+import shutil  # noqa: E402
 import tempfile  # noqa: E402
+
+
+def _own_temporary_folder(prefix: str) -> str:
+    folder = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
+
 
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER", "main")
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ or os.environ.get("LOGRA_TEST_OWN_CACHES"):
     os.environ["LOGRA_TEST_OWN_CACHES"] = "1"
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix=f"logra_xla_{_WORKER}_")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _own_temporary_folder(f"logra_xla_{_WORKER}_")
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     if _WORKER != "main":
-        os.environ["TFDS_DATA_DIR"] = tempfile.mkdtemp(prefix=f"logra_tfds_{_WORKER}_")
+        os.environ["TFDS_DATA_DIR"] = _own_temporary_folder(f"logra_tfds_{_WORKER}_")
 
 import pathlib  # noqa: E402
 

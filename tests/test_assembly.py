@@ -12,6 +12,7 @@ shapes, dtypes and shardings.
 import pathlib
 
 import jax
+import ml_collections
 import pytest
 
 from logra_jax import config as config_lib
@@ -27,7 +28,7 @@ SMALL = dict(vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_h
              intermediate_size=128)
 
 
-def small_config(name: str, monkeypatch) -> config_lib.ml_collections.ConfigDict:
+def small_config(name: str, monkeypatch) -> ml_collections.ConfigDict:
     """configs/<name>.py with its model family at SMALL sizes (seeded random weights), ranks of 8,
     and — where the shipped plan puts the sampler on devices of its own without a sync, which a
     run refuses — a full sync."""

@@ -8,14 +8,17 @@ it names, and that the workdir holds exactly the files, bytes and times it held 
 
 import hashlib
 import json
+import os
 import pathlib
 import shutil
 import subprocess
 import sys
 
 import pytest
+from absl import flags
 
 from configs import base, tiny
+from launch import cli
 from launch import train as train_cli
 from logra_jax import config as config_lib
 from logra_jax.rl import algorithms, build, optimizers
@@ -107,6 +110,9 @@ ROWS = [
     # before its weights exist.
     ("targets", dict(optimizer=dict(logra=dict(targets="no_such_layer"))),
      "optimizer.logra on this model: targets pattern 'no_such_layer' matched no parameter"),
+    # model.tiny is the model config's keyword arguments: a key that is none of its fields.
+    ("model-tiny-typo", dict(model=dict(tiny=dict(hiden_size=4))),
+     "model.tiny.hiden_size is not a field of the model's config"),
     ("rank-not-below-width", dict(optimizer=dict(logra=dict(rank=64))),
      "optimizer.logra on this model (optimizer.logra.rank=64): target 'layers/self_attn/o_proj/kernel': its sketch shape (2, 64, 64) equals its kernel shape, so a gradient leaf cannot tell dense from sketched; lower optimizer.logra.rank below 64"),
     ("rank-far-above-width", dict(optimizer=dict(logra=dict(rank=100000))),
@@ -132,17 +138,17 @@ ROWS = [
     ("task", dict(data=dict(task="no_such_task")), "no_such_task"),
     ("gsm8k-no-dir", dict(data=dict(source="gsm8k")), "needs data.gsm8k_dir"),
     ("gsm8k-missing-dir", dict(data=dict(source="gsm8k", gsm8k_dir="/no/such/dir")),
-     "GSM8K data directory /no/such/dir does not exist"),
+     "GSM8K data directory /no/such/dir does not exist; point data.gsm8k_dir"),
     ("gsm8k-empty-file", lambda tmp: dict(data=dict(source="gsm8k", gsm8k_dir=_gsm8k_dir(tmp, []))),
      "train.jsonl holds no examples (it is empty)"),
     ("gsm8k-malformed-line",
      lambda tmp: dict(data=dict(source="gsm8k", gsm8k_dir=_gsm8k_dir(
-         tmp, [json.dumps(GOOD_GSM8K), '{"question": "2+2?", "answer": "4'])),
-         gsm8k_cache_dir=str(tmp / "cache")), "train.jsonl:2: not valid JSON"),
+         tmp, [json.dumps(GOOD_GSM8K), '{"question": "2+2?", "answer": "4']),
+         gsm8k_cache_dir=str(tmp / "cache"))), "train.jsonl:2: not valid JSON"),
     ("gsm8k-not-utf8",
      lambda tmp: dict(data=dict(source="gsm8k", gsm8k_dir=_gsm8k_dir(
-         tmp, [json.dumps(GOOD_GSM8K), b'{"question": "2\xff", "answer": "#### 4"}'])),
-         gsm8k_cache_dir=str(tmp / "cache")), "train.jsonl:2: not UTF-8 text (invalid start byte"),
+         tmp, [json.dumps(GOOD_GSM8K), b'{"question": "2\xff", "answer": "#### 4"}']),
+         gsm8k_cache_dir=str(tmp / "cache"))), "train.jsonl:2: not UTF-8 text (invalid start byte"),
     ("resume-other-rank", dict(optimizer=dict(logra=dict(rank=4))),
      "holds a run with another config: optimizer.logra.rank changed"),
 ]
@@ -161,7 +167,25 @@ MODEL_ROWS = [
      "cannot be read: cannot mmap an empty file"),
     ("gguf-not-gguf", lambda tmp: dict(model=dict(source=_file(tmp / "m.gguf", b"not a gguf file"))),
      "cannot be read: GGUF magic invalid"),
+    # Weights cut short (an interrupted copy): the file, the tensor, the bytes described and found.
+    ("gguf-cut-in-its-header", lambda tmp: dict(model=dict(source=_cut_gguf(tmp, 1_000_000))),
+     "m.gguf is cut short: it ends at byte 1000000, inside its header"),
+    ("gguf-cut-in-half", lambda tmp: dict(model=dict(source=_cut_gguf(tmp, 49_181_216))),
+     "m.gguf is cut short: tensor 'blk.15.attn_output.weight' (Q4_1 (576, 576)) takes bytes "
+     "49114432 to 49321792, but the file has 49181216 of the 98362432 bytes its header describes"),
+    ("safetensors-cut-in-half", lambda tmp: dict(model=dict(source=_cut_hf_folder(tmp))),
+     # the embedding, 49152 × 64 fp32, is the file's first tensor: the half cut ends inside it
+     "model.safetensors is cut short: tensor 'model.embed_tokens.weight' (F32 (49152, 64)) takes "
+     "bytes 2120 to 12585032, but the file has 6440612 of the 12881224 bytes its header describes"),
 ]
+
+
+def _cut_gguf(tmp: pathlib.Path, size: int) -> str:
+    """The first ``size`` bytes of SmolLM2's GGUF (98,362,432 bytes), as an interrupted copy
+    leaves it."""
+    from logra_jax.models import gguf_loader
+    with open(gguf_loader.smollm2_gguf_path(), "rb") as f:
+        return _file(tmp / "m.gguf", f.read(size))
 
 
 def _file(path: pathlib.Path, data: bytes) -> str:
@@ -172,19 +196,39 @@ def _file(path: pathlib.Path, data: bytes) -> str:
     return str(path.parent if path.name == "config.json" else path)
 
 
+def _cut_hf_folder(tmp: pathlib.Path) -> str:
+    """configs/tiny.py's model written as a Hugging Face folder (config.json, safetensors,
+    tokenizer), its model.safetensors then cut to its first half, as an interrupted copy leaves it."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from logra_jax.models import Decoder, ModelConfig, gguf_loader
+    from logra_jax.models.hf_export import write_hf_folder
+    from logra_jax.rl.policy import Policy
+    from logra_jax.tree_paths import leaves_with_paths
+    tokenizer = gguf_loader.smollm2_tokenizer()
+    config = ModelConfig(vocab_size=tokenizer.vocab_size, **dict(tiny_config().model.tiny))
+    weights = {path: np.asarray(jax.device_get(value)) for path, value in
+               leaves_with_paths(Policy.params_of(Decoder(config, rngs=nnx.Rngs(0))))}
+    folder = tmp / "hf"
+    write_hf_folder(config, weights, tokenizer, folder)
+    cut = folder / "model.safetensors"
+    cut.write_bytes(cut.read_bytes()[: cut.stat().st_size // 2])
+    return str(folder)
+
+
 # Rows found after the workdir's resume check (which would refuse their key first): a new workdir.
 NEW_WORKDIR = {"mesh-indivisible", "mesh-too-big"}
 
 
 def _refuses_on_a_copy(trained, tmp_path, overrides, message, new_workdir=False):
-    """launch.train's `run` on a copy of the trained workdir (or a new one): one `error:` line
-    holding ``message``, and the workdir exactly as it was."""
-    workdir = tmp_path / "workdir"
-    if new_workdir:
-        workdir.mkdir()
-    else:
+    """launch.train's `run` on a copy of the trained workdir (or a new one, which it must not leave
+    behind): one `error:` line holding ``message``, and the workdir exactly as it was."""
+    workdir = tmp_path / "runs" / "workdir"
+    if not new_workdir:
         shutil.copytree(trained, workdir)
-    before = _snapshot(workdir)
+    before = _snapshot(workdir) if not new_workdir else None
     config = tiny_config(dict(max_steps=4), overrides(tmp_path) if callable(overrides) else overrides)
     with pytest.raises(SystemExit) as exit_:
         train_cli.run(config, str(workdir))
@@ -192,7 +236,10 @@ def _refuses_on_a_copy(trained, tmp_path, overrides, message, new_workdir=False)
     assert isinstance(line, str), line            # SystemExit(str): printed, exit status 1
     assert line.startswith("error: ") and "\n" not in line, line
     assert message in line, line
-    assert _snapshot(workdir) == before
+    if new_workdir:   # nothing created: not the workdir, not the folder above it
+        assert not (tmp_path / "runs").exists(), list((tmp_path / "runs").rglob("*"))
+    else:
+        assert _snapshot(workdir) == before
 
 
 @pytest.mark.parametrize("overrides, message", [r[1:] for r in ROWS], ids=[r[0] for r in ROWS])
@@ -212,20 +259,47 @@ def test_bad_input_found_with_the_model_is_one_line_and_loses_nothing(overrides,
     _refuses_on_a_copy(trained, tmp_path, overrides, message, new_workdir=True)
 
 
+def test_fresh_moves_nothing_when_the_model_cannot_be_built(trained, tmp_path):
+    """--fresh moves the earlier run aside only once the new one is built: weights cut short (or
+    any error found with the model) leave the earlier run where it was."""
+    workdir = tmp_path / "workdir"
+    shutil.copytree(trained, workdir)
+    before = _snapshot(workdir)
+    config = tiny_config(dict(model=dict(source=_cut_hf_folder(tmp_path))))
+    with pytest.raises(SystemExit, match="^error: .*model.safetensors is cut short: tensor"):
+        train_cli.run(config, str(workdir), fresh=True)
+    assert _snapshot(workdir) == before
+
+
 def test_every_key_of_the_base_config_has_a_rule():
     """A key added to configs/base.py without a rule here would go unchecked until it broke a run."""
     keys = config_lib.flatten(base.get_config().to_dict())
     missing = [k for k in keys if k not in config_lib.VALUE_RULES
                and not k.startswith(config_lib.CHECKED_ELSEWHERE)]
-    assert not missing, f"configs/base.py keys without a rule in logra_jax/config.py: {missing}"
+    assert not missing, f"configs/base.py keys without a rule in logra_jax/config/values.py: {missing}"
     assert not set(config_lib.VALUE_RULES) - set(keys), "rules for keys configs/base.py lacks"
     for path in sorted((ROOT / "configs").glob("*.py")):   # every shipped config passes them
         if path.name != "__init__.py":
             config_lib.check_values(config_lib.load_config_file(path))
 
 
+def test_a_key_the_base_config_lacks_is_refused_by_every_path():
+    """A typo inside a config built in code (not a file) is refused by the value check too, naming
+    the nearest real key; the config files' own check names the file (test_config_files.py)."""
+    config = tiny_config()
+    config.rl.num_generation = 4
+    with pytest.raises(ValueError, match=r"^unknown config key: rl.num_generation is not a key of "
+                                         r"configs/base.py \(nearest: rl.num_generations\)$"):
+        config_lib.check_values(config)
+    config = tiny_config()
+    config.optimizer.logra.rnak = 4
+    with pytest.raises(ValueError, match=r"optimizer.logra.rnak is not a key .*nearest: "
+                                         r"optimizer.logra.rank"):
+        config_lib.check_values(config)
+
+
 def test_the_rules_choices_are_the_librarys():
-    """logra_jax/config.py sits below the library and spells its choices out; they must agree."""
+    """logra_jax/config/values.py sits below the library and spells its choices out; they must agree."""
     from logra_jax.models.config import DTYPES
     from logra_jax.optim.galore import PROJECTORS
     from logra_jax.optim.rounding import ROUNDINGS
@@ -306,6 +380,7 @@ def test_a_dangling_symlink_workdir_is_called_one(tmp_path):
 
 
 # The command line itself, checked before jax is imported: real processes, well under a second.
+# {w}: a copy of the trained workdir; {new}: a workdir that does not exist (and must not after).
 CLI_ROWS = [
     ("config-file-missing", ["--config", "configs/nope.py", "--workdir", "{w}"],
      "error: config file 'configs/nope.py' does not exist"),
@@ -323,25 +398,101 @@ CLI_ROWS = [
      "error: --config.rl.temperature needs a value"),
     ("workdir-missing", ["--config", "configs/tiny.py"], "error: --workdir is required"),
     ("config-missing", ["--workdir", "{w}"], "error: --config is required"),
+    # A key configs/base.py does not define, set inside a config file (the command line's own
+    # overrides are refused above): named with the file's line and the nearest keys, no workdir.
+    ("config-file-typo", ["--config", "{typo}", "--workdir", "{new}"],
+     "error: config file {typo}:6: rl.num_generation is not a key of configs/base.py (nearest: "
+     "rl.num_generations)"),
+    ("config-file-nested-typo", ["--config", "{nested_typo}", "--workdir", "{new}"],
+     "error: config file {nested_typo}:6: optimizer.logra.rnak is not a key of configs/base.py "
+     "(nearest: optimizer.logra.rank)"),
+    ("config-json-typo", ["--config", "{json_typo}", "--workdir", "{new}"],
+     "error: config file {json_typo}: rl.num_generation is not a key of configs/base.py"),
+    # file.py:arg passes arg to get_config (the seed it sets is then refused by its rule).
+    ("config-file-argument", ["--config", "{with_argument}:-1", "--workdir", "{new}"],
+     "error: seed must be an integer ≥ 0, got -1"),
+    ("workdir-tilde", ["--config", "configs/tiny.py", "--workdir=~/logra_runs/x"],
+     "error: --workdir ~/logra_runs/x starts with '~', which the shell did not expand (it does so "
+     "only at the start of a word, not after '='): pass --workdir "
+     + os.path.expanduser("~/logra_runs/x") + " instead"),
 ]
+
+TYPO = """from configs import tiny
+
+
+def get_config():
+    c = tiny.get_config()
+    c.rl.num_generation = 4
+    return c
+"""
+
+
+def _command_line_files(tmp_path: pathlib.Path, trained: pathlib.Path) -> dict[str, str]:
+    files = {"bad_config.py": "x = 1\n", "bad_syntax.py": "def get_config(:\n", "typo.py": TYPO,
+             "nested_typo.py": TYPO.replace("c.rl.num_generation = 4", "c.optimizer.logra.rnak = 4"),
+             "with_argument.py": "from configs import tiny\n\n\ndef get_config(seed):\n"
+                                 "    c = tiny.get_config()\n    c.seed = int(seed)\n    return c\n"}
+    paths = {}
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+        paths[name.removesuffix(".py")] = str(tmp_path / name)
+    paths["syntax_error"] = paths.pop("bad_syntax")
+    recorded = json.loads((trained / "config.json").read_text())
+    recorded["rl"]["num_generation"] = 4
+    (tmp_path / "config.json").write_text(json.dumps(recorded))
+    paths["json_typo"] = str(tmp_path / "config.json")
+    return paths
 
 
 @pytest.mark.parametrize("argv, message", [r[1:] for r in CLI_ROWS], ids=[r[0] for r in CLI_ROWS])
 def test_bad_command_line_is_one_line(argv, message, trained, tmp_path):
+    """A real process each, run from an empty folder (a literal ``~`` folder would appear there)."""
     workdir = tmp_path / "workdir"
     shutil.copytree(trained, workdir)
     before = _snapshot(workdir)
-    bad_config = tmp_path / "bad_config.py"
-    bad_config.write_text("x = 1\n")
-    syntax_error = tmp_path / "bad_syntax.py"
-    syntax_error.write_text("def get_config(:\n")
-    argv = [a.format(w=workdir, bad_config=bad_config, syntax_error=syntax_error) for a in argv]
-    done = subprocess.run([sys.executable, "-m", "launch.train", *argv], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    paths = dict(_command_line_files(tmp_path, trained), w=workdir, new=tmp_path / "new" / "run")
+    argv = [a.format(**paths).replace("configs/tiny.py", str(ROOT / "configs" / "tiny.py"))
+            for a in argv]
+    done = subprocess.run([sys.executable, "-m", "launch.train", *argv], cwd=cwd,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True,
+                          text=True, timeout=120)
     assert done.returncode == 1, done.stderr[-2000:]
     lines = done.stderr.strip().splitlines()
+    message = message.format(**paths)
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
     assert _snapshot(workdir) == before
+    assert not (tmp_path / "new").exists() and list(cwd.iterdir()) == []
+
+
+def test_a_bad_value_is_refused_before_jax_is_imported(tmp_path):
+    """"Well under a second": the value checks need no jax (importing it alone takes seconds)."""
+    script = ("import runpy, sys\n"
+              "sys.argv = ['launch.train', '--config', sys.argv[1], '--workdir', sys.argv[2], "
+              "'--config.seed=-1']\n"
+              "try:\n    runpy.run_module('launch.train', run_name='__main__')\n"
+              "except SystemExit as e:\n    print(e.code, '|', 'jax' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", script, str(ROOT / "configs" / "tiny.py"),
+                           str(tmp_path / "w")], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert done.stdout.strip() == "error: seed must be an integer ≥ 0, got -1 | False", done
+    assert not (tmp_path / "w").exists()
+
+
+@pytest.mark.skipif(bool(__import__("glob").glob("/dev/nvidia[0-9]*")), reason="a GPU is here")
+def test_a_platform_that_cannot_start_is_one_line(tmp_path):
+    """JAX_PLATFORMS=cuda on a machine without a GPU: JAX logs the CUDA plugin's traceback and
+    fails with a bare AssertionError; the run says what is wrong in one line, creating nothing."""
+    done = subprocess.run([sys.executable, "-m", "launch.train", "--config", "configs/tiny.py",
+                           "--workdir", str(tmp_path / "w")], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, env=dict(os.environ, JAX_PLATFORMS="cuda"))
+    assert done.returncode == 1, done.stderr[-3000:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        "error: JAX_PLATFORMS=cuda asks for a CUDA device, but jax cannot start it on this "
+        "machine ("), lines
+    assert not (tmp_path / "w").exists()
 
 
 # A config file that cannot give a config: (row id, file text or None for a folder, the line).
@@ -357,11 +508,22 @@ CONFIG_FILE_ROWS = [
 ]
 
 
+def _parse(argv: list[str]) -> flags.FlagValues:
+    """launch.train's command line parsed as its ``main`` gets it (`cli.parse`), on flags of its
+    own (absl's FLAGS hold launch.train's, parsed once per process)."""
+    values = flags.FlagValues()
+    cli.define_config(help_string="", flag_values=values, sys_argv=["prog", *argv])
+    flags.DEFINE_string("workdir", None, "", flag_values=values)
+    flags.DEFINE_bool("verbose", False, "", flag_values=values)
+    cli.parse(["prog", *argv], required=("config", "workdir"), flag_values=values)
+    return values
+
+
 @pytest.mark.parametrize("text, message", [r[1:] for r in CONFIG_FILE_ROWS],
                          ids=[r[0] for r in CONFIG_FILE_ROWS])
 def test_a_config_file_that_cannot_be_loaded_is_one_line_naming_it(text, message, tmp_path):
-    """What launch.train checks first (`check_argv`, before absl loads the file): one line naming
-    the file and its line; --verbose keeps the file's own traceback."""
+    """What absl's parse of launch.train's flags reports (the config file is loaded then): one
+    line naming the file and its line; --verbose keeps the file's own traceback."""
     path = tmp_path / "my_config.py"
     if text is None:
         path.mkdir()
@@ -369,19 +531,29 @@ def test_a_config_file_that_cannot_be_loaded_is_one_line_naming_it(text, message
         path.write_text(text)
     argv = ["--config", str(path), "--workdir", str(tmp_path / "w"), "--config.max_steps=2"]
     with pytest.raises(SystemExit) as exit_:
-        config_lib.check_argv(argv, required=("config", "workdir"))
+        _parse(argv)
     assert exit_.value.code == message.format(path=path)
     if "Error:" in message:   # the file raised: --verbose shows where
         with pytest.raises(config_lib.ConfigFileError) as raised:   # a traceback, not a line
-            config_lib.check_argv(argv + ["--verbose"], required=("config", "workdir"))
+            _parse(argv + ["--verbose"])
         assert f"{type(raised.value.__cause__).__name__}" in message   # chained: the file's own
+
+
+def test_a_runs_config_json_gives_its_config_back(trained, tmp_path):
+    """--config run/config.json repeats a run: the config it records, every value with its type."""
+    recorded = json.loads((trained / "config.json").read_text())
+    config = _parse(["--config", str(trained / "config.json"), "--workdir", str(tmp_path)])["config"].value
+    assert config_lib.as_json(config) == recorded
+    assert config.rl.decode_weights in ("stacked", "per_layer")   # the program the run resolved
 
 
 @pytest.mark.parametrize("flag", ["--help", "--helpfull"])
 def test_help_is_left_to_absl_even_without_the_required_flags(flag):
-    config_lib.check_argv([flag], required=("config", "workdir"))   # no SystemExit: absl prints it
+    done = subprocess.run([sys.executable, "-m", "launch.train", flag], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert "--workdir" in done.stdout + done.stderr and "error:" not in done.stderr, done
     with pytest.raises(SystemExit, match="error: --config is required"):
-        config_lib.check_argv(["--workdir=w"], required=("config", "workdir"))
+        _parse(["--workdir=w"])
 
 
 def test_an_error_after_setup_reaches_the_shell_as_one_line(tmp_path):

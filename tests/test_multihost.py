@@ -6,6 +6,7 @@ CPU collectives through gloo; the single-process reference runs in this pytest p
 """
 
 import json
+import os
 import pathlib
 import signal
 import subprocess
@@ -86,6 +87,37 @@ def _env(**extra) -> dict:
     return without_device_count(**extra)
 
 
+class Cluster:
+    """``bash launch/local_cluster.sh`` as its own process group, its output in files: a test that
+    fails (or a cluster that hangs in a collective) kills the whole group in `stop`, and nothing
+    here waits without a timeout or on a pipe that a child of the group still holds."""
+
+    def __init__(self, command: list[str], env: dict, logs: pathlib.Path):
+        logs.mkdir(parents=True, exist_ok=True)
+        self.out, self.err = logs / "cluster.out", logs / "cluster.err"
+        with open(self.out, "w") as out, open(self.err, "w") as err:
+            self.proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=err,
+                                         start_new_session=True)
+
+    def stderr(self) -> str:
+        return self.err.read_text()
+
+    def wait(self, timeout: float) -> int:
+        """The launcher's exit status; a cluster still running after ``timeout`` is a failure."""
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the cluster did not end within {timeout:.0f} s: {self.stderr()[-3000:]}")
+
+    def stop(self) -> None:
+        """Kills every process of the group (the launcher and the launch.train processes)."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=60)
+
+
 def _cluster_command(workdir, *args) -> list[str]:
     return ["bash", "launch/local_cluster.sh", "2", sys.executable, "-m", "launch.train", *TINY,
             "--workdir", str(workdir), *args]
@@ -111,27 +143,32 @@ def test_two_processes_train_stop_together_resume_and_match_one_process_with_eig
 
     workdir = tmp_path / "two"
     command = _cluster_command(workdir, "--config.max_steps=3", *_flags(answering))
-    first = subprocess.Popen(command, cwd=ROOT, env=_cluster_env(workdir), stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
+    first = Cluster(command, _cluster_env(workdir), tmp_path / "first")
     try:
         metrics, deadline = workdir / "metrics.jsonl", time.monotonic() + 400
         while not (metrics.exists() and metrics.read_text().strip()):   # step 1 is done
-            assert first.poll() is None and time.monotonic() < deadline, first.communicate()[1][-3000:]
+            if first.proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"no step 1 (status {first.proc.poll()}): {first.stderr()[-3000:]}")
             time.sleep(0.2)
-        subprocess.run(["pkill", "-TERM", "-f", f"{workdir} .*process_id=1"], check=True)
-        _, err = first.communicate(timeout=300)
+        subprocess.run(["pkill", "-TERM", "-f", f"{workdir} .*process_id=1"], check=True,
+                       timeout=60)
+        status = first.wait(timeout=300)
     finally:
-        first.kill()
-    assert first.returncode == 128 + signal.SIGTERM, err[-3000:]
+        first.stop()
+    err = first.stderr()
+    assert status == 128 + signal.SIGTERM, err[-3000:]
     assert "stopped because another process was stopped after step" in err
     (stopped_at,) = [int(p.name) for p in (workdir / "checkpoints").iterdir()]
     assert stopped_at < 3
 
-    resumed = subprocess.run(command, cwd=ROOT, env=_cluster_env(workdir), capture_output=True,
-                             text=True, timeout=400)
-    assert resumed.returncode == 0, (resumed.stderr[-3000:]
-                                     + (tmp_path / "logs" / "process_1.log").read_text()[-3000:])
-    assert f"resumed from {workdir / 'checkpoints'} at step {stopped_at}" in resumed.stderr
+    resumed = Cluster(command, _cluster_env(workdir), tmp_path / "resumed")
+    try:
+        status = resumed.wait(timeout=400)
+    finally:
+        resumed.stop()
+    assert status == 0, (resumed.stderr()[-3000:]
+                         + (tmp_path / "logs" / "process_1.log").read_text()[-3000:])
+    assert f"resumed from {workdir / 'checkpoints'} at step {stopped_at}" in resumed.stderr()
 
     one = trainer_lib.Run(tiny_config(answering), tmp_path / "one")
     one.loop()
@@ -233,15 +270,19 @@ def test_a_process_that_dies_stops_the_others_within_the_heartbeat_timeout(tmp_p
     assert waited < heartbeat + 60, waited
 
 
-def test_the_local_cluster_stops_the_others_when_one_process_fails():
+def test_the_local_cluster_stops_the_others_when_one_process_fails(tmp_path):
     script = ("import sys, time\n"
               "pid = int([a.split('=')[1] for a in sys.argv if 'process_id' in a][0])\n"
               "sys.exit(3) if pid == 1 else time.sleep(120)\n")
     tic = time.monotonic()
-    done = subprocess.run(["bash", "launch/local_cluster.sh", "2", sys.executable, "-c", script],
-                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=100)
-    assert done.returncode == 3
-    assert "process 1 exited with status 3; stopping the others" in done.stderr
+    cluster = Cluster(["bash", "launch/local_cluster.sh", "2", sys.executable, "-c", script],
+                      _env(), tmp_path)
+    try:
+        status = cluster.wait(timeout=100)
+    finally:
+        cluster.stop()
+    assert status == 3
+    assert "process 1 exited with status 3; stopping the others" in cluster.stderr()
     assert time.monotonic() - tic < 60
 
 

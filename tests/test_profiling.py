@@ -132,7 +132,7 @@ def test_paired_ratio_is_blind_to_a_slow_spell_that_the_ratio_of_medians_sees():
     import statistics
 
     import numpy as np
-    from launch import paired_ratio
+    from launch.bench_stats import paired_ratio
 
     rng = np.random.default_rng(0)
     base = rng.uniform(0.8, 0.95, size=7)                 # LoGRA / AdamW in each round

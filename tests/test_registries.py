@@ -113,10 +113,15 @@ def test_their_own_keys_are_checked_and_their_names_are_choices(toys):
 
 
 def test_unregistered_they_are_unknown_again():
-    """After the fixture above, the package is as shipped: the names are refused again."""
-    config = toy_config()
+    """After the fixture above, the package is as shipped: the names are refused again, and the
+    toys' own keys are no keys of the schema (logra_jax/config/values.py) again."""
+    config = tiny_config()
+    config.rl.algorithm = "toy_pg"
     with pytest.raises(ValueError, match="rl.algorithm must be one of 'grpo', 'reinforce'"):
         config_lib.check_values(config)
+    assert set(config_lib.unknown_keys(toy_config())) == {"rl.toy_baseline", "optimizer.toy_sgd"}
+    with pytest.raises(ValueError, match="^unknown config key: "):
+        config_lib.check_values(toy_config())
     assert "toy_sgd" not in optimizers.names() and "rl.toy_baseline" not in config_lib.VALUE_RULES
     with pytest.raises(ValueError, match="already registered"):
         algorithms.register(algorithms.get("grpo"))

@@ -7,17 +7,21 @@ checkpoint 2) and runs `launch.train`'s `run` on it in this process; a refusal c
 model is built, and a matching resume reuses the session's compiled RunParts.
 """
 
+import copy
 import hashlib
 import json
 import pathlib
 import shutil
 
+import jax
+import numpy as np
 import pytest
 
 from launch import train as train_cli
 from logra_jax import config as config_lib
 from logra_jax.rl import build
 from logra_jax.rl import trainer as trainer_lib
+from logra_jax.tree_paths import leaves_with_paths
 from tiny_config import tiny_config
 
 
@@ -47,8 +51,8 @@ def _refused(config, workdir) -> str:
 
 
 def test_a_resume_with_another_seed_is_refused_without_config_json(copied):
-    """The case that used to resume silently: seed 0's checkpoint, config.json deleted, the run
-    resumed with seed 1 and recorded seed 1 for a history trained with seed 0."""
+    """Seed 0's checkpoint with config.json deleted: without the checkpoint's own record, a run
+    with seed 1 would resume it and record seed 1 for a history trained with seed 0."""
     line = _refused(tiny_config(dict(max_steps=3, seed=1)), copied)
     assert f"checkpoint 2 in {copied / 'checkpoints'} was trained with another config" in line, line
     assert "seed 0 → 1" in line, line
@@ -65,14 +69,19 @@ def test_a_resume_with_another_optimizer_is_refused_before_the_model(copied, mon
 
 def test_config_json_is_rebuilt_from_a_matching_checkpoint(copied, shipped_tiny_parts):
     """max_steps, log.* and the other keys a resume may change do not count; config.json comes
-    back as the resuming config."""
+    back as the resuming config, with the decode program the checkpoint records for
+    rl.decode_weights="auto"."""
     config = tiny_config(dict(max_steps=2, log=dict(sample_every=5)))
     run = trainer_lib.Run(config, copied, parts=shipped_tiny_parts)
     try:
         assert run.loop() == {}                   # step 2 already reached: restored, nothing trained
     finally:
         run.close()
-    assert json.loads((copied / "config.json").read_text()) == config_lib.as_json(config)
+    meta = json.loads((copied / "checkpoints" / "2" / "meta" / "metadata").read_text())
+    expected = config_lib.as_json(config)
+    expected["rl"]["decode_weights"] = meta["config"]["rl.decode_weights"]
+    assert expected["rl"]["decode_weights"] in ("stacked", "per_layer")
+    assert json.loads((copied / "config.json").read_text()) == expected
 
 
 def _strip_fingerprint(workdir: pathlib.Path) -> None:
@@ -121,3 +130,51 @@ def test_a_dropped_cut_metrics_line_is_reported(tmp_path, capsys):
         f"warning: {path}:2: dropped a last line cut short (a run stopped mid-write): "
         "'{\"step\": 2, \"rew'"]
     assert path.read_text() == '{"step": 1}\n'
+
+
+def _with_new_sampler(parts):
+    """A run's ``parts`` as a new process would hold them: a Sampler that has measured nothing
+    (the compiled update and the weights are shared)."""
+    fresh = copy.copy(parts)
+    fresh.sampler = build.build_sampler(parts.config.rl, parts.policy, parts.tokenizer)
+    return fresh
+
+
+def test_a_resume_runs_the_decode_program_its_first_process_picked(tmp_path, shipped_tiny_parts,
+                                                                  monkeypatch):
+    """rl.decode_weights="auto" times both decode programs on a process's first rollout, and the
+    two round differently. The first process picked stacked; the resumed one, whose own timing
+    would pick per_layer (a loaded machine), runs stacked without timing, and the run ends with
+    the weights of an uninterrupted one."""
+    from logra_jax.rl import decode_mode
+    picks = []
+
+    def pick(answer):
+        def chosen(seconds):
+            picks.append(answer)
+            return answer
+        return chosen
+
+    first = _with_new_sampler(shipped_tiny_parts)
+    monkeypatch.setattr(decode_mode, "pick", pick("stacked"))
+    straight = trainer_lib.Run(tiny_config(dict(max_steps=3)), tmp_path / "straight", parts=first)
+    straight.loop()
+    straight.close()
+    stopped = trainer_lib.Run(tiny_config(dict(max_steps=2)), tmp_path / "resumed", parts=first)
+    stopped.loop()
+    stopped.close()
+    assert picks == ["stacked"]   # one measurement in the first process
+    workdir = tmp_path / "resumed"
+    assert json.loads((workdir / "config.json").read_text())["rl"]["decode_weights"] == "stacked"
+    meta = json.loads((workdir / "checkpoints" / "2" / "meta" / "metadata").read_text())
+    assert meta["config"]["rl.decode_weights"] == "stacked"
+
+    monkeypatch.setattr(decode_mode, "pick", pick("per_layer"))
+    second = _with_new_sampler(shipped_tiny_parts)
+    resumed = trainer_lib.Run(tiny_config(dict(max_steps=3)), workdir, parts=second)
+    resumed.loop()
+    resumed.close()
+    assert picks == ["stacked"] and second.sampler.last_decode_mode == "stacked"
+    for (path, a), b in zip(leaves_with_paths(jax.device_get(straight.params)),
+                            jax.tree.leaves(jax.device_get(resumed.params)), strict=True):
+        np.testing.assert_array_equal(a, b, err_msg=path)

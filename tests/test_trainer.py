@@ -339,8 +339,15 @@ def test_nonfinite_updates_are_skipped_and_never_reach_a_checkpoint(name, parts_
 
 
 def test_unknown_override_key_exits_with_its_name():
+    """The command line's parse (`launch.cli`), on flags of its own (absl's FLAGS are parsed once
+    per process)."""
+    from absl import flags
+    from launch import cli
+    argv = ["prog", "--config=configs/tiny.py", "--config.optimizer.rnak=4"]
+    values = flags.FlagValues()
+    cli.define_config(help_string="", flag_values=values, sys_argv=argv)
     with pytest.raises(SystemExit) as e:
-        config_lib.check_argv(["--config=configs/tiny.py", "--config.optimizer.rnak=4"])
+        cli.parse(argv, flag_values=values)
     assert "unknown config key 'optimizer.rnak'" in str(e.value)
 
 

@@ -171,18 +171,57 @@ def test_another_config_without_a_checkpoint_or_metrics_is_refused(tmp_path, no_
     assert _files(tmp_path) == before
 
 
-def test_fresh_moves_the_history_aside_and_starts_over(tmp_path, no_model):
-    """--fresh: nothing is deleted; the earlier run's files move to previous-<time>/ whole, and the
-    run goes on to build its model (here: the point where `no_model` stops it)."""
+def test_fresh_moves_the_history_aside_and_starts_over(tmp_path, shipped_tiny_parts):
+    """--fresh: nothing is deleted; once the new run is built, the earlier run's files move to
+    previous-<time>/ whole (a run that fails to build moves nothing: test_bad_input.py)."""
     _history(tmp_path, tiny_config(dict(seed=5)))
     (tmp_path / "checkpoints" / "3").mkdir(parents=True)
     before = _files(tmp_path)
-    with pytest.raises(AssertionError, match="the model was built"):
-        train_cli.run(tiny_config(), str(tmp_path), fresh=True)   # what --fresh calls
+    run = trainer_lib.Run(tiny_config(), tmp_path, parts=shipped_tiny_parts, fresh=True)
+    run.close()
     [aside] = tmp_path.glob("previous-*")
     assert {f"{aside.name}/{k}": v for k, v in before.items()} == {
         k: v for k, v in _files(tmp_path).items() if k.startswith(f"{aside.name}/")}
     assert (aside / "checkpoints" / "3").is_dir() and not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_a_checkpoints_link_to_nothing_is_named_and_fresh_moves_it_whole(tmp_path, no_model,
+                                                                        shipped_tiny_parts):
+    """A ``checkpoints`` link that loops is no checkpoints folder: the refusal names it (not
+    "checkpoints/ was removed"), and --fresh moves it with the rest, as a link."""
+    _history(tmp_path, tiny_config())
+    (tmp_path / "checkpoints").symlink_to("checkpoints")
+    before = _files(tmp_path)
+    line = _refusal(tiny_config(), tmp_path)
+    assert (f"{tmp_path / 'checkpoints'} is a symbolic link that loops (checkpoints → checkpoints)"
+            in line and "--fresh" in line), line
+    assert _files(tmp_path) == before
+    run = trainer_lib.Run(tiny_config(), tmp_path, parts=shipped_tiny_parts, fresh=True)
+    run.close()
+    [aside] = tmp_path.glob("previous-*")
+    assert (aside / "checkpoints").is_symlink() and os.readlink(aside / "checkpoints") == "checkpoints"
+    assert sorted(p.name for p in aside.iterdir()) == ["checkpoints", "config.json", "metrics.jsonl"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [aside.name]
+
+
+def test_fresh_moves_everything_or_nothing(tmp_path, monkeypatch):
+    """A move that fails halfway (here: the third entry) puts back the ones already moved."""
+    _history(tmp_path, tiny_config())
+    (tmp_path / "checkpoints" / "3").mkdir(parents=True)
+    before = _files(tmp_path)
+    rename, moved = pathlib.Path.rename, []
+
+    def fail_third(self, target):
+        moved.append(self.name)
+        if len(moved) == 3:
+            raise PermissionError(13, "Permission denied", str(self))
+        return rename(self, target)
+    monkeypatch.setattr(pathlib.Path, "rename", fail_third)
+    with pytest.raises(ValueError, match=r"^--fresh could not move .*metrics.jsonl into .*previous-"
+                                         r".*: Permission denied; nothing was moved$"):
+        workdir_lib.set_aside(tmp_path)
+    monkeypatch.undo()
+    assert _files(tmp_path) == before and not list(tmp_path.glob("previous-*"))
 
 
 @pytest.mark.parametrize("text, message", [

@@ -135,8 +135,9 @@ def load_gsm8k(data_dir: str | pathlib.Path, split: str, *,
     """
     data_dir = pathlib.Path(data_dir).expanduser()
     if not data_dir.is_dir():
-        raise FileNotFoundError(f"GSM8K data directory {data_dir} does not exist; point data_dir at "
-                                "the folder holding train.jsonl / test.jsonl")
+        raise FileNotFoundError(f"GSM8K data directory {data_dir} does not exist; point "
+                                f"data.gsm8k_dir (launch.train's config; load_gsm8k's data_dir) "
+                                f"at the folder holding train.jsonl / test.jsonl")
     files = _split_files(data_dir)
     if split not in files:
         raise FileNotFoundError(f"GSM8K split file {data_dir / (split + '.jsonl')} not found; "

@@ -129,10 +129,61 @@ def gguf_metadata(path: str | pathlib.Path) -> dict:
             return _read_metadata(data, path)
 
 
+def check_complete(path: str | pathlib.Path) -> None:
+    """Raises ValueError when the GGUF file ``path`` is cut short (an interrupted copy or
+    download), naming the file, the tensor whose bytes are missing, and the bytes its header
+    describes against those the file has; gguf's own reader fails on such a file with a bare
+    numpy dtype or reshape error. A file that is not GGUF at all is left to that reader."""
+    with open(path, "rb") as f:
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            if data[:4] != b"GGUF":
+                return
+            size = len(data)
+            try:
+                metadata, offset = _read_metadata(data, path, with_end=True)
+                (count,) = struct.unpack_from("<Q", data, 8)
+                tensors = []
+                for _ in range(count):   # name, n_dims u32, dims u64 each, type u32, offset u64
+                    (length,) = struct.unpack_from("<Q", data, offset)
+                    name = data[offset + 8:offset + 8 + length].decode("utf-8")
+                    offset += 8 + length
+                    (n_dims,) = struct.unpack_from("<I", data, offset)
+                    dims = struct.unpack_from(f"<{n_dims}Q", data, offset + 4)
+                    kind, start = struct.unpack_from("<IQ", data, offset + 4 + 8 * n_dims)
+                    offset += 4 + 8 * n_dims + 12
+                    tensors.append((name, dims, kind, start))
+            except (struct.error, UnicodeDecodeError):
+                raise ValueError(f"{path} is cut short: it ends at byte {size}, inside its "
+                                 f"header (the metadata and the list of tensors, before any "
+                                 f"weight); copy or download it again") from None
+    alignment = int(metadata.get("general.alignment", 32))
+    data_start = -(-offset // alignment) * alignment
+    ends = []
+    for name, dims, kind, start in tensors:
+        block, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(kind)]
+        ends.append((data_start + start + int(np.prod(dims, dtype=np.int64)) // block * block_bytes,
+                     data_start + start, name, dims, gguf.GGMLQuantizationType(kind).name))
+    total = max((end for end, *_ in ends), default=data_start)
+    for end, begin, name, dims, kind in sorted(ends):
+        if end > size:
+            raise ValueError(f"{path} is cut short: tensor {name!r} ({kind} {tuple(dims)}) takes "
+                             f"bytes {begin} to {end}, but the file has {size} of the {total} "
+                             f"bytes its header describes (copy or download it again)")
+
+
 def _read_metadata(data: mmap.mmap, path, *, with_end: bool = False):
-    """{key: value} of the header (and, ``with_end``, the offset where the key-values end)."""
+    """{key: value} of the header (and, ``with_end``, the offset where the key-values end); a
+    header cut short is a ValueError naming the file."""
     if data[:4] != b"GGUF":
         raise ValueError(f"{path} is not a GGUF file")
+    try:
+        return _read_key_values(data, path, with_end)
+    except (struct.error, UnicodeDecodeError):
+        raise ValueError(f"{path} is cut short: it ends at byte {len(data)}, inside its "
+                         f"header's metadata; copy or download it again") from None
+
+
+def _read_key_values(data: mmap.mmap, path, with_end: bool):
     version, _, count = struct.unpack_from("<IQQ", data, 4)
     if version < 2:
         raise ValueError(f"{path}: GGUF version {version} is not supported (2 or 3)")
@@ -272,6 +323,7 @@ def read_gguf(path: str | pathlib.Path, **overrides) -> tuple[ModelConfig, dict[
     path = pathlib.Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file {path} not found")
+    check_complete(path)
     reader = gguf.GGUFReader(path)
     config = config_from_gguf(reader, **overrides)
     tensors = {t.name: t for t in reader.tensors}

@@ -8,6 +8,7 @@ weightᵀ (in, out) stacked over layers (L, in, out). Norm ``weight`` → ``scal
 from __future__ import annotations
 
 import json
+import math
 import pathlib
 import re
 
@@ -71,21 +72,40 @@ def read_safetensors(path: pathlib.Path) -> dict[str, np.ndarray]:
     if raw.size < 8:
         raise ValueError(f"{path} is not a safetensors file (too short)")
     header_len = int(raw[:8].view("<u8")[0])
+    if 8 + header_len > raw.size:
+        raise ValueError(f"{path} is cut short: its header says it takes bytes 8 to "
+                         f"{8 + header_len}, but the file has {raw.size} bytes (copy or download "
+                         f"it again)")
     try:
         header = json.loads(bytes(raw[8:8 + header_len]).decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"{path} is not a safetensors file: unreadable header ({e})") from e
     data = raw[8 + header_len:]
     tensors = {}
-    for name, info in header.items():
+    for name, info in sorted(header.items(), key=lambda item: _data_end(item[1])):
         if name == "__metadata__":
             continue
         if info["dtype"] not in _SAFETENSORS_DTYPES:
             raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {info['dtype']}")
         begin, end = info["data_offsets"]
         dtype = np.dtype(_SAFETENSORS_DTYPES[info["dtype"]]).newbyteorder("<")
+        expected = math.prod(info["shape"]) * dtype.itemsize
+        if end > data.size:   # a file cut short (an interrupted copy or download)
+            total = 8 + header_len + max(_data_end(i) for i in header.values())
+            raise ValueError(f"{path} is cut short: tensor {name!r} ({info['dtype']} "
+                             f"{tuple(info['shape'])}) takes bytes {8 + header_len + begin} to "
+                             f"{8 + header_len + end}, but the file has {raw.size} of the "
+                             f"{total} bytes its header describes (copy or download it again)")
+        if end - begin != expected:
+            raise ValueError(f"{path}: tensor {name!r} ({info['dtype']} {tuple(info['shape'])}) "
+                             f"needs {expected} bytes, its header gives it {end - begin}")
         tensors[name] = data[begin:end].view(dtype).reshape(info["shape"])
     return tensors
+
+
+def _data_end(info) -> int:
+    """Where a header entry's bytes end in the data section (0 for ``__metadata__``)."""
+    return int(info["data_offsets"][1]) if isinstance(info, dict) and "data_offsets" in info else 0
 
 
 def _safetensors_files(folder: pathlib.Path) -> list[pathlib.Path]:

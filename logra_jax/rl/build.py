@@ -4,7 +4,7 @@ The assembly (rl/assembly.py) composes them into a run's parts, for the trainer 
 planner alike; the evaluation, export and benchmarks call the ones they need. The algorithm's and
 the optimizer's parts come from their tables (rl/algorithms/, rl/optimizers/).
 
-    validate(config)                         every cross-section rule, one clear error each
+    validate(config)                         every value and cross-key rule (logra_jax/config/values.py)
     build_mesh(config.mesh, devices)         the device mesh
     build_model(config.model, mesh)          (model, tokenizer), sharded on the mesh
     build_model_config(config.model)         its ModelConfig without weights (early shape checks)
@@ -29,7 +29,9 @@ import ml_collections
 from flax import nnx
 from jax.sharding import Mesh
 
-from logra_jax import config as config_lib
+# Every value and cross-key rule, jax-free (checked before anything is built or written), and
+# whether a rollout engine replays LoGRA's merges: logra_jax/config/values.py.
+from logra_jax.config import replays_merge, validate  # noqa: F401
 from logra_jax import model_shapes
 from logra_jax import sharding as sharding_lib
 from logra_jax.data import PromptIterator
@@ -39,34 +41,7 @@ from logra_jax.rl.optimizers import Optimizer
 from logra_jax.rl.policy import Policy
 from logra_jax.rl.rollout import Grader, RolloutSpec, fit_prompt_window
 from logra_jax.rl.sampler import Sampler
-from logra_jax.rl.sync import placed_mode
 from logra_jax.rl.update import PolicyUpdate
-
-
-def validate(config: ml_collections.ConfigDict) -> None:
-    """Every value alone (`config.check_values`: one rule per key), then the rules that span keys;
-    a value a builder can only check with the model (targets, ranks) is checked where it is used."""
-    config_lib.check_values(config)
-    rl = config.rl
-    if rl.algorithm == "grpo" and rl.num_generations < 2:
-        raise ValueError(f"rl.num_generations={rl.num_generations}: GRPO compares completions within "
-                         "a group, so it needs at least 2 per prompt")
-    if config.sync.rollout_devices and config.sync.mode == "off":
-        raise ValueError("sync.rollout_devices > 0 puts the sampler on its own devices, so it needs "
-                         "a sync.mode (full | factors | sparse) to receive the weights")
-    if config.sync.mode == "factors" and config.optimizer.name != "logra":
-        raise ValueError("sync.mode='factors' sends LoGRA's low-rank factors; optimizer.name="
-                         f"{config.optimizer.name!r} has none (use full or sparse)")
-    if replays_merge(config) and config.optimizer.logra.exact_merge is False:
-        raise ValueError("sync.mode='factors' on rollout devices replays the trainer's merges, "
-                         "which needs optimizer.logra.exact_merge=True (or None: automatic)")
-    rows = config.data.prompts_per_step * rl.num_generations
-    if rows % rl.micro_batch_size:
-        raise ValueError(f"data.prompts_per_step × rl.num_generations = {rows} rows is not a "
-                         f"multiple of rl.micro_batch_size={rl.micro_batch_size}")
-    if rl.rollout_micro_batch and rows % rl.rollout_micro_batch:
-        raise ValueError(f"data.prompts_per_step × rl.num_generations = {rows} rows is not a "
-                         f"multiple of rl.rollout_micro_batch={rl.rollout_micro_batch}")
 
 
 def build_mesh(axes, devices=None, *, spare_devices: bool = False) -> Mesh:
@@ -123,7 +98,8 @@ def build_model(cfg: ml_collections.ConfigDict, mesh: Mesh | None):
     if cfg.source == "tiny":
         tokenizer = gguf_loader.smollm2_tokenizer()  # with its chat template, from the SmolLM2 GGUF
         model_config = ModelConfig(vocab_size=tokenizer.vocab_size, dtype=cfg.dtype,
-                                   param_dtype=cfg.param_dtype, remat=cfg.remat, **dict(cfg.tiny))
+                                   param_dtype=cfg.param_dtype, remat=cfg.remat,
+                                   **model_shapes.tiny_fields(cfg.tiny))
         model = Decoder(model_config, rngs=nnx.Rngs(cfg.init_seed))
         return (model if mesh is None else sharding_lib.shard_model(model, mesh)), tokenizer
     if model_shapes.is_random_source(cfg.source):
@@ -204,12 +180,6 @@ def build_data(cfg: ml_collections.ConfigDict, seed: int, *, source=None, tokeni
     if rollout_spec is not None:
         source = fit_prompt_window(source, tokenizer, rollout_spec, skip_long=cfg.skip_long_prompts)
     return PromptIterator(source, batch_size=cfg.prompts_per_step, seed=seed, shuffle=cfg.shuffle)
-
-
-def replays_merge(config: ml_collections.ConfigDict) -> bool:
-    """Whether a rollout engine re-applies LoGRA's merges from the factors (a factors sync to
-    devices of its own): only then must the trainer's U·A be order-free (the same bits there)."""
-    return placed_mode(config.sync.mode, not config.sync.rollout_devices) == "factors"
 
 
 def build_policy_update(config: ml_collections.ConfigDict, policy: Policy, *,

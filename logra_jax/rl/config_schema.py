@@ -1,11 +1,12 @@
 """How an algorithm or optimizer registered from outside the package joins the config's schema.
 
-logra_jax/config.py checks every value of a run's config before anything is built, from its own
-table of rules (`config.VALUE_RULES`), and sits below the library: it spells the built-in choices
-out (``rl.algorithm``, ``optimizer.name``) and cannot ask the registries. Registering a new entry
-therefore widens that table here: its name becomes a valid choice and its own keys get their
-rules, so a bad value of theirs is refused as early as a built-in key's. `admit` returns the undo.
-"""
+logra_jax/config/values.py holds the one schema of a run's config: `config.VALUE_RULES`, a rule
+per key, whose keys are also the keys a config may set (a config file or ``--config.*`` setting
+any other is refused by name). It sits below the library, spells the built-in choices out
+(``rl.algorithm``, ``optimizer.name``) and cannot ask the registries. Registering a new entry
+therefore widens that table here: its name becomes a valid choice and its own keys exist, with
+their rules, so a bad value of theirs is refused as early as a built-in key's. `admit` returns
+the undo."""
 
 from __future__ import annotations
 

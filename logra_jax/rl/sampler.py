@@ -293,6 +293,8 @@ class Sampler:
         # True / False for a fixed mode; None for "auto", decided per input signature:
         self.per_layer_decode = None if decode_weights == "auto" else decode_weights == "per_layer"
         self.measured: dict[tuple, tuple[str, dict[str, float]]] = {}   # signature → (mode, seconds)
+        self.preset: str | None = None             # "auto" decided without measuring
+        self.last_decode_mode: str | None = None   # the mode the latest call ran
         self.policy = policy
         self.max_prompt_length = max_prompt_length
         self.max_completion_length = max_completion_length
@@ -319,13 +321,23 @@ class Sampler:
                 jnp.float32(temperature))
         static = dict(top_k=int(top_k), top_p=float(top_p), greedy=bool(greedy),
                       mesh=self.mesh_of(params, prompt_tokens))
-        per_layer = self._decode_mode(args, static) == "per_layer"
+        self.last_decode_mode = self._decode_mode(args, static)
+        per_layer = self.last_decode_mode == "per_layer"
         return self._generate(*args, jnp.int32(self.max_completion_length), per_layer=per_layer,
                               **static)
+
+    def preset_decode_mode(self, mode: str) -> None:
+        """"auto" runs ``mode`` from now on, without measuring: a resumed run keeps the program its
+        first process measured (the two round differently, so a new pick would change the run)."""
+        if mode not in decode_mode.MODES:
+            raise ValueError(f"decode mode must be one of {decode_mode.MODES}, got {mode!r}")
+        self.preset = mode
 
     def _decode_mode(self, args, static) -> str:
         """"stacked" or "per_layer" for a call of ``args``: the fixed mode, else the one measured
         faster for this signature (shapes, dtypes, placements), measured on its first call."""
+        if self.per_layer_decode is None and self.preset is not None:
+            return self.preset
         leaves = jax.tree.leaves(args)
         if self.per_layer_decode is not None or any(isinstance(x, jax.core.Tracer) for x in leaves):
             return self._unmeasured(leaves, "a call traced inside another jit: nothing to time",

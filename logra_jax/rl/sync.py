@@ -55,6 +55,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from logra_jax.config.values import placed_sync_mode
 from logra_jax import sharding as sharding_lib
 from logra_jax.optim.low_rank import LowRankUpdate
 from logra_jax.optim.targets import SketchSpec
@@ -109,7 +110,7 @@ def placed_mode(mode: str, colocated: bool) -> str:
     Colocated, nothing crosses a wire, and the encodings would only cost memory on the trainer's
     devices: a fp32 master copy of the targets (factors) or a bf16 mirror of the weights (sparse).
     """
-    return "full" if colocated and mode in ("factors", "sparse") else mode
+    return placed_sync_mode(mode, colocated)   # the config checks need the rule before jax
 
 
 def split_devices(rollout_devices: int, devices=None) -> tuple[list, list]:

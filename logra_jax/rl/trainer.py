@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import pathlib
 import signal
-import threading
 import time
 from typing import Any
 
@@ -30,7 +29,7 @@ from logra_jax import checkpoint as checkpoint_lib
 from logra_jax import config as config_lib
 from logra_jax import distributed, host_arrays
 from logra_jax import metrics as metrics_lib
-from logra_jax.rl import assembly, build
+from logra_jax.rl import assembly, build, stopping
 from logra_jax.rl import workdir as workdir_lib
 from logra_jax.rl.assembly import RunParts
 from logra_jax.rl.rollout import Rollouts, collect_rollouts
@@ -44,33 +43,6 @@ class Preempted(Exception):
     def __init__(self, message: str, signum: int):
         super().__init__(message)
         self.signum = signum
-
-
-class _StopRequest:
-    """SIGTERM / SIGINT ask the loop to stop after the step in progress (a jitted step cannot be
-    interrupted halfway anyway); a second signal gets the default action: it stops at once."""
-
-    def __init__(self):
-        self.signum: int | None = None
-        self._previous = {}
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():  # signals reach the main one only
-            for signum in (signal.SIGTERM, signal.SIGINT):
-                self._previous[signum] = signal.signal(signum, self._handle)
-        return self
-
-    def _handle(self, signum, frame):
-        del frame
-        self.signum = signum
-        for s, handler in self._previous.items():
-            signal.signal(s, signal.SIG_DFL if s == signal.SIGTERM else handler)
-        logging.warning("%s: stopping after this step, with a checkpoint (again: stop now)",
-                        signal.Signals(signum).name)
-
-    def __exit__(self, *exc):
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
 
 
 @contextlib.contextmanager
@@ -121,24 +93,41 @@ class Run:
     it. From construction to `close()` the run holds the workdir's lock (logra_jax/rl/workdir.py).
 
     ``fresh``: start over in a workdir that holds an earlier run, which is moved into
-    ``previous-<time>/`` first; without it such a workdir is resumed, or refused when the run
-    cannot continue it (another config, or metrics without a checkpoint)."""
+    ``previous-<time>/`` once everything else is built (a run that fails to build moves nothing);
+    without it such a workdir is resumed, or refused when the run cannot continue it (another
+    config, or metrics without a checkpoint).
+
+    A run that ends before its first step (refused, failed, or stopped by a signal) leaves the
+    workdir as it found it: the entries it created are removed, and so is a workdir it created.
+
+    ``rl.decode_weights="auto"`` becomes the decode program the sampler picks by timing both on the
+    first rollout; the run records that pick (config.json, each checkpoint's fingerprint) and a
+    resumed process runs it again instead of timing: the two programs round differently, so a
+    pick that changed with the machine's load would change the run's numbers."""
 
     def __init__(self, config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,
                  parts: RunParts | None = None, fresh: bool = False):
         self.config = config
         self._fingerprint = config_lib.fingerprint(config)   # recorded in every checkpoint
-        self._lock = None
+        self._lock = self.ckpt = None
+        self._created_root = None   # the outermost folder of the workdir's path this run created
+        self._present: set[str] | None = None   # the history entries there before this run
+        self._trained = False       # a step of this run reached metrics.jsonl
+        self._restored = False      # the run continues a checkpoint
+        self._decode_mode: str | None = None    # the sampler's resolved decode program
+        self._config_recorded = False
         self.summary: str | None = None   # `loop`'s one line of what it trained (process 0)
         # What can be checked in a moment is checked before the model is built, and before
         # anything in the workdir is written.
         recipe = assembly.prepare(config)
         if parts is None:   # given parts were built from a config that passed the shape checks
             recipe.check_shapes()
+        self._created_root = workdir_lib.missing_root(workdir)
         self.workdir = workdir_lib.prepare(workdir)
-        if distributed.is_primary():   # one lock per run, not per process
-            self._lock = workdir_lib.WorkdirLock(self.workdir).acquire()
         try:
+            if distributed.is_primary():   # one lock per run, not per process
+                self._lock = workdir_lib.WorkdirLock(self.workdir)
+                self._lock.acquire()
             source = build.build_prompt_source(config.data)   # the data files: bad input first
             self._open_history(fresh)
             # The parts hold compiled functions; runs of one config (e.g. a resumed run) may share them.
@@ -146,6 +135,9 @@ class Run:
             self.data = build.build_data(config.data, config.seed, source=source,
                                          tokenizer=self.parts.tokenizer,
                                          rollout_spec=self.parts.rollout_spec)
+            if fresh:   # everything that could fail has been built: now the earlier run moves
+                self._set_aside()
+            self._present = workdir_lib.present(self.workdir)
             if self.ckpt is None:
                 self.ckpt = self._checkpointer()
         except BaseException:
@@ -153,19 +145,25 @@ class Run:
             raise
 
     def _open_history(self, fresh: bool) -> None:
-        """Refuses a run that cannot continue the workdir's history (or, ``fresh``, moves that
-        history aside first); the checkpointer of the checkpoints it holds, if any."""
-        self.ckpt = None
-        if fresh and distributed.is_primary():
-            aside = workdir_lib.set_aside(self.workdir)
-            if aside is not None:
-                logging.warning("--fresh: the earlier run of %s is now in %s", self.workdir, aside)
+        """Refuses a run that cannot continue the workdir's history; ``fresh`` checks instead that
+        the history can be moved aside whole (the move itself waits until the run is built); the
+        checkpointer of the checkpoints it holds, if any."""
         if fresh:
-            distributed.barrier("workdir history set aside")
-        history = workdir_lib.History(self.workdir)
+            if distributed.is_primary():
+                workdir_lib.check_set_aside(self.workdir)
+            self._history = None
+            return
+        self._history = workdir_lib.History(self.workdir)
         if (self.workdir / workdir_lib.CHECKPOINTS).exists():
             self.ckpt = self._checkpointer()
-        history.check_continues(self.config, self._recorded_configs())
+        self._history.check_continues(self.config, self._recorded_configs())
+
+    def _set_aside(self) -> None:
+        if distributed.is_primary():
+            aside = workdir_lib.set_aside(self.workdir)
+            if aside is not None:
+                logging.info("--fresh: the earlier run of %s is now in %s", self.workdir, aside)
+        distributed.barrier("workdir history set aside")
 
     def _recorded_configs(self) -> dict[int, dict | None]:
         """{step: the config fingerprint checkpoint ``step`` records (None: none)} of every
@@ -180,8 +178,8 @@ class Run:
         return recorded
 
     def _checkpointer(self) -> checkpoint_lib.Checkpointer:
-        """Orbax's manager creates the folder it manages: a new workdir gets it only once the run
-        is built (`__init__`), so a refused run leaves none."""
+        """The checkpoints' folder is created by the first save: a run that ends before it leaves
+        none."""
         return checkpoint_lib.Checkpointer(self.workdir / workdir_lib.CHECKPOINTS,
                                            keep=self.config.checkpoint.keep)
 
@@ -192,21 +190,59 @@ class Run:
         params, opt_state = self.parts.init_state()
         latest = self.ckpt.restore_latest((params, opt_state))
         if latest is None:
-            step, baseline = 0, 0.0
-        else:
-            saved, (params, opt_state), meta = latest
-            where = self.ckpt.directory / str(saved)
-            step, baseline, data_state = _loop_meta(meta, where)
-            # History checked every readable checkpoint; this is the one restored, read whole.
-            workdir_lib.check_checkpoint_config(meta.get(CONFIG_META), where, self.config)
-            self.data.restore(data_state)
-            logging.info("resumed from %s at step %d", self.ckpt.directory, step)
-        # A resume keeps the config the run started with (History checked that only keys a
-        # resume may change differ); a fresh start, or a resume whose config.json was lost, writes it.
-        recorded = (self.workdir / workdir_lib.CONFIG).exists()
-        if distributed.is_primary() and (latest is None or not recorded):
-            workdir_lib.write_config(self.workdir, self.config)
+            return params, opt_state, 0, 0.0
+        saved, (params, opt_state), meta = latest
+        self._restored = True
+        where = self.ckpt.directory / str(saved)
+        step, baseline, data_state = _loop_meta(meta, where)
+        # History checked every readable checkpoint; this is the one restored, read whole.
+        workdir_lib.check_checkpoint_config(meta.get(CONFIG_META), where, self.config)
+        self.data.restore(data_state)
+        self._keep_decode_mode(config_lib.recorded_decode_mode(meta.get(CONFIG_META))
+                               or config_lib.recorded_decode_mode(self._history and
+                                                                  self._history.config))
+        logging.info("resumed from %s at step %d", self.ckpt.directory, step)
+        # A resume keeps the config.json it started with (History checked that only keys a resume
+        # may change differ); one whose config.json was lost writes it again, from this config.
+        self._config_recorded = (self.workdir / workdir_lib.CONFIG).exists()
+        self._record_config()
         return params, opt_state, step, baseline
+
+    def _keep_decode_mode(self, recorded: str | None) -> None:
+        """A resumed run samples with the decode program its first process picked (``recorded``),
+        without timing the two again, when ``rl.decode_weights`` is "auto"; a fixed mode that
+        differs is the user's choice, said once."""
+        if recorded is None:
+            return
+        asked = self.config.rl.decode_weights
+        if asked == "auto":
+            self.parts.sampler.preset_decode_mode(recorded)
+            self._decode_mode = recorded
+            self._fingerprint[config_lib.DECODE_KEY] = recorded
+        elif asked != recorded:
+            logging.warning("rl.decode_weights=%s, but this run's earlier steps sampled with %s: "
+                            "the two programs round differently, so the resumed steps will not be "
+                            "the bits an uninterrupted run computes", asked, recorded)
+
+    def _note_decode_mode(self) -> None:
+        """After a rollout: the decode program the sampler ran, recorded once (a fresh run's
+        "auto" resolves at its first rollout)."""
+        if self._decode_mode is not None:
+            return
+        self._decode_mode = getattr(self.parts.sampler, "last_decode_mode", None)
+        if self._decode_mode is not None:
+            self._fingerprint[config_lib.DECODE_KEY] = self._decode_mode
+
+    def _record_config(self) -> None:
+        """Writes config.json (process 0) unless the workdir holds this run's already: the config,
+        with ``rl.decode_weights`` as the sampler resolved it."""
+        if self._config_recorded or not distributed.is_primary():
+            return
+        recorded = config_lib.as_json(self.config)
+        if self._decode_mode is not None:
+            recorded["rl"]["decode_weights"] = self._decode_mode
+        workdir_lib.write_config(self.workdir, recorded)
+        self._config_recorded = True
 
     def loop(self) -> dict[str, Any]:
         """Trains to ``max_steps``; returns the last step's metrics row. On SIGTERM / SIGINT it
@@ -227,12 +263,12 @@ class Run:
                                            files=distributed.is_primary(),
                                            kl_measured=t.reference_params is not None)
         base_rng = jax.random.PRNGKey(config.seed)
-        with _StopRequest() as stop:
-            try:
+        try:
+            with stopping.deferred() as stop:
                 last, step, params, opt_state, stopped = self._steps(
                     stop, step, params, opt_state, baseline, rollouts, writer, base_rng)
-            finally:
-                writer.close()
+        finally:
+            writer.close()
         self.params, self.opt_state = params, opt_state
         self.engine = getattr(rollouts, "engine", None)
         trained = writer.summary()
@@ -290,7 +326,10 @@ class Run:
                 probe = jax.tree.map(lambda x: x[:config.optimizer.probe_size], ro.seqs)
                 update_metrics.update(rollouts.after_update(params, compact[0] if compact else None,
                                                             probe))
+            self._note_decode_mode()
+            self._record_config()   # a fresh run's config.json: with the decode program it ran
             last = writer.write(step, step_row(t, step, update_metrics, r, ro, opt_state, times))
+            self._trained = True
             if config.log.sample_every and step % config.log.sample_every == 0:
                 logging.info("step %d sample: %r → reward %.2f", step, ro.texts[0], r[ro.rows.start])
             skipped_in_a_row = self._check_divergence(step, last, params, skipped_in_a_row)
@@ -334,13 +373,19 @@ class Run:
         return skipped_in_a_row
 
     def close(self) -> None:
-        """Closes the checkpointer and releases the workdir (idempotent)."""
+        """Closes the checkpointer and releases the workdir (idempotent). A run that trained no
+        step takes back what it created there: the workdir is as it found it."""
         if getattr(self, "ckpt", None) is not None:
             self.ckpt.close()
             self.ckpt = None
+        unused = not self._trained and not self._restored and distributed.is_primary()
+        if unused and self._present is not None:
+            workdir_lib.remove_unused(self.workdir, self._present)
         if self._lock is not None:
             self._lock.release()
             self._lock = None
+        if unused and getattr(self, "workdir", None) is not None:
+            workdir_lib.remove_created(self.workdir, self._created_root)
 
 
 def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,

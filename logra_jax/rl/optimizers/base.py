@@ -125,7 +125,7 @@ class OptimizerEntry:
       always compared in the usual mixed precision (fp32 master weights and moments).
     rules: value rules (`logra_jax.config.Rule`) of its section's keys, by their key within the
       section; an optimizer registered from outside the package brings its own (configs/base.py
-      and logra_jax/config.py hold those of the built-in ones).
+      and logra_jax/config/values.py hold those of the built-in ones).
     """
 
     name: str
