@@ -7,7 +7,7 @@ every part's command, status and seconds. A part that gave no figure shows why (
 
 from __future__ import annotations
 
-GIB = 2**30
+from logra_jax.perf.machines import GIB
 
 
 def _gib(n) -> str:

@@ -36,8 +36,9 @@ runs (`perf/matmul_count.py`), XLA's bytes accessed (its cost analysis counts a 
 lower bound) and, for an accelerator target, the roofline lower bound max(FLOPs / peak bf16 FLOP/s, bytes /
 bandwidth) from the device's published figures; and the FLOPs ratio to the first column (XLA:GPU
 compiled without a GPU reports no bytes accessed: its bound is the compute one).
-``--explain N`` also lists the N largest buffers live at each peak, named by the JAX op or parameter
-path that made each one (bytes two values share counted once).
+``--explain N`` also lists the N largest buffers at each update's peak and, where the sampler is
+compiled, at its ``generate``'s, named by the JAX op or parameter path that made each one; each
+list's total is XLA's memory analysis of that program (bytes two values share counted once).
 ``--hosts H`` plans a mesh that spans H hosts (``--target h100-8 --hosts 2``: 2 nodes of 8 GPUs,
 16 devices; a TPU slice's hosts are already in its name): a device's memory does not depend on
 which process drives it, so the table is per device as always, and the header adds each host's
@@ -123,8 +124,9 @@ def devices_per_host(mesh_size: int, hosts: int) -> int:
 class Measured:
     """What `measure` compiled, for the columns that fit: one StepMemory, LoopMemory and (with
     ``compile_rollout``) RolloutMemory each, in column order; ``breakdowns`` {label: (bytes,
-    buffers)} at each update's peak (``explain``); ``refused`` {label: oom.DoesNotFit} for the
-    columns whose update or sampler the compiler refused (their figure is its "needs X of Y")."""
+    buffers)} at each update's peak (``explain``), then at each compiled ``generate``'s;
+    ``refused`` {label: oom.DoesNotFit} for the columns whose update or sampler the compiler
+    refused (their figure is its "needs X of Y")."""
 
     mesh: object
     steps: list
@@ -156,6 +158,7 @@ def measure(config, cols, mesh_sizes, rollout_devices, micro_steps, explain, hoi
                if rollout_devices else mesh)
     steps, loops, rollouts, breakdowns, refused = [], [], [], {}, {}
     generate = {}   # the sampler's program differs between columns only by an optimizer's adapters
+    sampler_breakdowns = {}   # listed after the updates'
     for label, name, param_dtype in cols:
         run = config.copy_and_resolve_references()
         run.optimizer.name = name
@@ -165,7 +168,13 @@ def measure(config, cols, mesh_sizes, rollout_devices, micro_steps, explain, hoi
                 kind = name if optimizers.get(name).adapters is not None else None
                 if kind not in generate:
                     try:
-                        generate[kind] = memory.rollout_step_memory(run, rollout)
+                        if explain:   # where the sampler's bytes go, beside the update's
+                            with tempfile.TemporaryDirectory() as dump:
+                                generate[kind] = memory.rollout_step_memory(run, rollout, dump_dir=dump)
+                                sampler_breakdowns[f"{label} generate"] = hlo_dump.peak_breakdown(
+                                    dump, module="generate")
+                        else:
+                            generate[kind] = memory.rollout_step_memory(run, rollout)
                     except oom.DoesNotFit as e:
                         generate[kind] = e
                 if isinstance(generate[kind], oom.DoesNotFit):
@@ -186,7 +195,8 @@ def measure(config, cols, mesh_sizes, rollout_devices, micro_steps, explain, hoi
             rollouts.append(generate[kind])
         steps.append(step)
         loops.append(memory.rl_resident_bytes(run, mesh, rollout))
-    return Measured(mesh, steps, loops, rollouts if compile_rollout else None, breakdowns, refused)
+    return Measured(mesh, steps, loops, rollouts if compile_rollout else None,
+                    {**breakdowns, **sampler_breakdowns}, refused)
 
 
 def host_devices(mesh: str | None, rollout_devices: int | None) -> int:

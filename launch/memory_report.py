@@ -10,9 +10,8 @@ from __future__ import annotations
 import jax
 
 from logra_jax.perf import memory
-from logra_jax.perf.machines import gib_text
+from logra_jax.perf.machines import GIB, gib_text
 
-GIB = 2 ** 30
 _SHORT = {"bfloat16": "bf16", "float32": "fp32"}
 
 

@@ -37,8 +37,8 @@ import time
 from absl import flags
 
 from launch import cli
+from logra_jax.perf.machines import GIB
 
-GIB = 2 ** 30
 _DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 
 

@@ -14,8 +14,8 @@ import time
 
 from launch.process import captured_stderr
 from launch.update_bench import random_update
+from logra_jax.perf.machines import GIB
 
-GIB = 2**30
 
 
 def device_limit(device, budget_gib: float | None) -> tuple[int | None, str]:

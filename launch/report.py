@@ -29,13 +29,13 @@ from absl import flags
 from launch import cli
 from logra_jax.extras import require
 from logra_jax.metrics import read_jsonl
+from logra_jax.perf.machines import GIB
 
 _OUT = flags.DEFINE_string("out", None, "Folder for the PNGs.")
 _RUNS = flags.DEFINE_multi_string("run", [], "label=workdir of a training run (metrics.jsonl).")
 _MEMORY = flags.DEFINE_multi_string("memory", [], "label=file written by launch.memory --json.")
 _WINDOW = flags.DEFINE_integer("window", 4, "Steps in the running mean of the reward.")
 
-GIB = 2.0 ** 30
 
 
 def pyplot():

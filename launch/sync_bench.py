@@ -7,7 +7,7 @@
 
 Part 1, analytic (from parameter shapes only, no weights): for every config and both LoGRA variants
 the bytes one sync sends in each mode, and their ratio to the full bf16 weights. KL variant: bf16 U,
-non-targets frozen; GRPO variant: fp32 U (``logra(variant="grpo")``'s default) or bf16 U
+non-targets frozen; GRPO variant: fp32 U (``logra(variant="learning_rate")``'s default) or bf16 U
 (``optimizer.logra.factor_dtype="bfloat16"``), non-targets trained by AdamW and therefore sent in full. ``sparse`` depends on how many bf16 entries change,
 which only a run can tell: it is shown at ``--sparse_fraction`` of the trainable entries.
 

@@ -92,6 +92,30 @@ def test_the_readme_stays_a_front_door():
         assert command in README.read_text()
 
 
+def _code_map() -> str:
+    text = README.read_text()
+    return text[text.index("## Code layout"):text.index("## Docs")]
+
+
+# Folders whose map line names each of their modules; elsewhere a subpackage is named as a folder.
+MAPPED_BY_MODULE = ("logra_jax", "launch", "logra_jax/config", "logra_jax/perf", "logra_jax/rl")
+
+
+def test_the_readme_code_map_names_every_module():
+    """Each module of the folders the map lists file by file is named there (its file name
+    without ``.py``), and every subpackage by its folder: a new module joins the map."""
+    code_map = _code_map()
+    missing = []
+    for folder in MAPPED_BY_MODULE:
+        for path in sorted((ROOT / folder).iterdir()):
+            if path.suffix in (".py", ".sh") and path.stem != "__init__":
+                if not re.search(rf"\b{re.escape(path.stem)}\b", code_map):
+                    missing.append(f"{folder}/{path.name}")
+            elif (path / "__init__.py").exists() and f"{path.name}/" not in code_map:
+                missing.append(f"{folder}/{path.name}/")
+    assert not missing, f"README.md's code map does not name {missing}"
+
+
 @pytest.mark.parametrize("page", PAGES, ids=_rel)
 def test_no_page_cites_issue_numbers_or_commits(page):
     text = page.read_text()

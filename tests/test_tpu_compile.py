@@ -73,6 +73,15 @@ def test_tiny_update_and_sampler_compile_for_a_tpu_slice(tiny_on_tpu):
     # share, and summing both read 8.21 GiB at this 4.94 GiB peak.
     live = float(lines[explain].split("peak (")[1].split(" GiB")[0]) * 2 ** 30
     assert 0.8 * step["peak"] <= live <= step["peak"] + 0.01 * 2 ** 30
+    # The sampler's generate explained too, its buffers adding up to XLA's memory analysis of it
+    # (arguments + outputs − aliased + temporaries): at least its temporaries, where the KV cache
+    # and its copies sit (XLA's list of the values live at its peak missed a carried copy).
+    sampler = next(line for line in lines if line.startswith("largest buffers live at the logra")
+                   and "generate" in line)
+    total = float(sampler.split("peak (")[1].split(" GiB")[0]) * 2 ** 30
+    half_digit = 0.005 * 2 ** 30
+    assert rollout["temporaries"] - half_digit <= total <= (
+        rollout["arguments"] + rollout["outputs"] + rollout["temporaries"] + half_digit)
     # No libtpu warnings about metadata servers or worker hostnames on a machine without TPUs.
     assert "TPU_WORKER_HOSTNAMES" not in result.stderr
 

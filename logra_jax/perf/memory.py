@@ -331,14 +331,20 @@ def lower_generate(config: ml_collections.ConfigDict, mesh: Mesh, *, rows: int |
 
 
 def rollout_step_memory(config: ml_collections.ConfigDict, mesh: Mesh, *,
-                        decode_weights: str | None = None) -> RolloutMemory:
+                        decode_weights: str | None = None,
+                        dump_dir: str | pathlib.Path | None = None) -> RolloutMemory:
     """Compiles the sampler's ``generate`` for ``config``'s rollout batch on ``mesh``
-    (`lower_generate`); no arrays."""
+    (`lower_generate`); no arrays. ``dump_dir`` keeps XLA's HLO dump of it there (for
+    `hlo_dump.peak_breakdown(dump_dir, module="generate")`)."""
     generate = lower_generate(config, mesh, decode_weights=decode_weights)
+    options = dict(machines.compiler_options_for(mesh))
+    if dump_dir is not None:
+        options.update({"xla_dump_to": str(dump_dir), "xla_dump_hlo_as_text": True,
+                        "xla_dump_hlo_module_re": ".*generate.*"})
     try:
         stats = oom.compile_or_refuse(
             generate.lowered, program=f"the sampler's generate ({generate.rows} rows)",
-            compiler_options=machines.compiler_options_for(mesh) or None).memory_analysis()
+            compiler_options=options or None).memory_analysis()
     except oom.DoesNotFit as e:
         raise e.with_arguments(device_bytes((generate.weights, *generate.prompts))) from None
     return RolloutMemory(rows=generate.rows, rows_per_pass=generate.rows_per_pass,
