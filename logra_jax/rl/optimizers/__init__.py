@@ -14,8 +14,6 @@ its metrics and skipped key), never the optimizer's name.
 
 from __future__ import annotations
 
-from typing import Callable
-
 import ml_collections
 
 from logra_jax.rl import config_schema
@@ -27,19 +25,14 @@ from logra_jax.rl.optimizers.lora import LORA
 __all__ = ["Adapters", "OPTIMIZERS", "Optimizer", "OptimizerEntry", "adapters_of", "build", "get",
            "names", "register", "unregister"]
 
-OPTIMIZERS: dict[str, OptimizerEntry] = {e.name: e for e in (LOGRA, ADAMW, ADAFACTOR, GALORE, LORA)}
-_UNDO: dict[str, Callable[[], None]] = {}
-
-
-def names() -> tuple[str, ...]:
-    return tuple(OPTIMIZERS)
-
-
-def get(name: str) -> OptimizerEntry:
-    """The entry ``optimizer.name`` names; ValueError listing the known ones."""
-    if name not in OPTIMIZERS:
-        raise ValueError(f"optimizer.name must be one of {names()}, got {name!r}")
-    return OPTIMIZERS[name]
+_REGISTRY: config_schema.Registry[OptimizerEntry] = config_schema.Registry(
+    "optimizer.name", "an optimizer", (LOGRA, ADAMW, ADAFACTOR, GALORE, LORA),
+    rules_of=lambda e: {f"optimizer.{e.name}.{key}": rule for key, rule in e.rules.items()})
+OPTIMIZERS: dict[str, OptimizerEntry] = _REGISTRY.table
+names = _REGISTRY.names
+get = _REGISTRY.get            # the entry ``optimizer.name`` names; ValueError listing the known ones
+register = _REGISTRY.register  # builds it from ``optimizer.<name>`` (docs/extending.md)
+unregister = _REGISTRY.unregister
 
 
 def build(cfg: ml_collections.ConfigDict, *, replayed_merge: bool = True) -> Optimizer:
@@ -56,25 +49,3 @@ def adapters_of(cfg: ml_collections.ConfigDict) -> Adapters | None:
     entry = get(cfg.name)
     return None if entry.adapters is None else entry.adapters(cfg[entry.name])
 
-
-def register(entry: OptimizerEntry) -> OptimizerEntry:
-    """Adds ``entry`` to the table: ``optimizer.name=<its name>`` then builds it from the config's
-    ``optimizer.<name>`` section, whose keys are checked by the entry's rules with the rest of the
-    config. A name already taken is an error (`unregister` it first)."""
-    if entry.name in OPTIMIZERS:
-        raise ValueError(f"an optimizer named {entry.name!r} is already registered")
-    OPTIMIZERS[entry.name] = entry
-    _UNDO[entry.name] = config_schema.admit(
-        "optimizer.name", OPTIMIZERS,
-        {f"optimizer.{entry.name}.{key}": rule for key, rule in entry.rules.items()})
-    return entry
-
-
-def unregister(name: str) -> None:
-    """Removes an optimizer `register` added (the built-in ones stay), and its rules."""
-    if name not in _UNDO:
-        raise ValueError(f"{name!r} was not registered from outside the package")
-    del OPTIMIZERS[name]
-    _UNDO.pop(name)()
-    if _UNDO:   # others registered after it: their names stay valid
-        config_schema.admit("optimizer.name", OPTIMIZERS, {})
