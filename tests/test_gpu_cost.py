@@ -350,12 +350,14 @@ def test_decode_at_batch_1_moves_at_most_1_10_times_the_floor(qwen_plan):
     assert d["bytes_over_floor"] <= 1.10, d["bytes_by_kind"]
 
 
-def test_decode_launches_at_most_16_kernels_per_layer(qwen_plan):
-    """16 is what XLA:GPU's fusions reach (the stacked step: 26). The floor the design aims at is
-    10, which needs what XLA leaves separate fused: each RMSNorm into the projection after it, the
-    SiLU product into down_proj, attention's reductions and softmax into one kernel."""
+def test_decode_launches_at_most_15_kernels_per_layer(qwen_plan):
+    """15 is what XLA:GPU's fusions reach with q, k and v's kernels held as one (16 with three;
+    the stacked step: 26). The floor the design aims at is 10, which needs what XLA leaves
+    separate fused: each RMSNorm's reduction and multiply into the projection after it, the SiLU
+    product into down_proj, down_proj's split-K parts summed in its own kernel, q's rotation into
+    the q·K product."""
     d = _default_decode(qwen_plan[1], 1)
-    assert d["kernels_per_layer"] <= 16, d["kernels_by_kind"]
+    assert d["kernels_per_layer"] <= 15, d["kernels_by_kind"]
 
 
 def test_decode_syncs_the_host_at_most_once_per_16_tokens(qwen_plan):

@@ -160,6 +160,39 @@ def test_per_layer_decode_reads_weights_major_kernels(tied, tokens):
     np.testing.assert_allclose(jnp.concatenate(pieces, axis=1), full, atol=1e-5)
 
 
+@pytest.mark.parametrize("qkv_bias", [False, True])
+def test_per_layer_decode_with_one_qkv_kernel_gives_the_same_logits(qkv_bias, tokens):
+    """`unstacked_layers(fuse_qkv=True)` (a GPU's per-layer decode weights) holds q, k and v's
+    kernels and biases as one in q_proj, tagged, k_proj's and v_proj's empty; decoding with them,
+    with live probes (LoRA adapters while sampling) on q, k and v, gives the logits of the same
+    layers unfused (a split at the wrong offsets, a bias left out or a probe dropped would not)."""
+    from logra_jax.models.llama import QKV_IN_Q_PROJ
+    model = Decoder(dataclasses.replace(CONFIG, qkv_bias=qkv_bias), rngs=nnx.Rngs(0))
+    if qkv_bias:   # zero at init: give the biases values, so that leaving one out shows
+        attention = model.layers.self_attn
+        for i, proj in enumerate((attention.q_proj, attention.k_proj, attention.v_proj)):
+            proj.bias[...] = jax.random.normal(jax.random.PRNGKey(10 + i), proj.bias.shape)
+    graphdef, state = nnx.split(model)
+    fused = model.unstacked_layers(fuse_qkv=True)[0]["self_attn"]
+    assert fused["q_proj"]["kernel"].get_metadata().get(QKV_IN_Q_PROJ)
+    q_dim, kv_dim = CONFIG.num_heads * CONFIG.head_dim, CONFIG.num_kv_heads * CONFIG.head_dim
+    assert fused["q_proj"]["kernel"].shape == (q_dim + 2 * kv_dim, CONFIG.hidden_size)
+    assert fused["k_proj"]["kernel"].shape[0] == fused["v_proj"]["kernel"].shape[0] == 0
+    probes = {path: p for path, p in _probes(model, 4, 0.5).items() if "self_attn" in path}
+
+    @functools.partial(jax.jit, static_argnames="fuse")
+    def decode(state, cache, fuse):
+        m = nnx.merge(graphdef, state)
+        hidden, _ = m(tokens[:, 5:6], cache=cache, layers=m.unstacked_layers(fuse_qkv=fuse),
+                      return_hidden=True, probes=probes)
+        return m.logits(hidden)
+
+    _, cache = jax.jit(lambda s, c: nnx.merge(graphdef, s)(tokens[:, :5], cache=c, probes=probes))(
+        state, model.init_cache(2, 12))
+    cache = cache.unstacked()
+    np.testing.assert_allclose(decode(state, cache, True), decode(state, cache, False), atol=1e-5)
+
+
 def test_padding_left_and_right_matches_unpadded(run, tokens):
     seq = tokens[:1, :6]
     ref = run(seq)

@@ -174,9 +174,16 @@ class Linear(nnx.Module):
         else:
             y = weights_major_matmul(x, kernel) if stored_transposed else x @ kernel
             if probe is not None:
-                a = probe.projection(self.in_features, self.dtype)       # (r, in)
-                with jax.named_scope("logra_sketch"):
-                    y = y + times_factor_t(x @ a.T, probe.factor.astype(self.dtype))
+                y = y + self.probe_term(x, probe)
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
+        return y.reshape(lead + (y.shape[-1],))
+
+    def probe_term(self, x: jax.Array, probe: SketchProbe) -> jax.Array:
+        """(x·Aᵀ)·Bᵀ, what ``probe`` adds to this layer's output for inputs x [..., in]."""
+        lead = x.shape[:-1]
+        x = x.reshape((-1, x.shape[-1])).astype(self.dtype)
+        a = probe.projection(self.in_features, self.dtype)       # (r, in)
+        with jax.named_scope("logra_sketch"):
+            y = times_factor_t(x @ a.T, probe.factor.astype(self.dtype))
         return y.reshape(lead + (y.shape[-1],))

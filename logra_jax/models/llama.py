@@ -112,8 +112,9 @@ class Embedding(nnx.Module):
         return x if self.multiplier is None else x * jnp.asarray(self.multiplier, self.dtype)
 
 
-# A GPU decode step's attention runs as two matrix products once the layer's K and V cache
-# (all rows) exceeds this many bytes, as broadcast multiplies and sums below (`grouped_query_attention`).
+# A GPU decode step multiplies the attention weights by V as a matrix product once the layer's
+# K and V cache (all rows) exceeds this many bytes, as a broadcast multiply and sum below
+# (`grouped_query_attention`; q·K is a product either way).
 GPU_DECODE_PRODUCTS_BYTES = 8 * 2**20
 
 
@@ -138,31 +139,33 @@ def grouped_query_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.
     num_kv = k.shape[1]
     q = q.reshape(b, t, num_kv, num_heads // num_kv, head_dim).transpose(0, 2, 3, 1, 4)
 
-    def products(q, k, v, mask, multiply_sum):
-        if multiply_sum:   # a decode step on XLA:CPU (see above), a TPU, a small one on a GPU
+    def products(q, k, v, mask, scores_as_sum, outputs_as_sum):
+        if scores_as_sum:   # a decode step on XLA:CPU (see above) or a TPU
             scores = jnp.sum(q[..., None].astype(jnp.float32) * k[:, :, None, None], axis=-2)
         else:
             scores = jnp.einsum("bkgtd,bkds->bkgts", q, k, preferred_element_type=jnp.float32)
         scores = scores / math.sqrt(head_dim) if scale is None else scores * scale
         scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
         weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        if multiply_sum:
+        if outputs_as_sum:
             return jnp.sum(weights[..., None].astype(jnp.float32) * v[:, :, None, None],
                            axis=-2).astype(v.dtype)
         return jnp.einsum("bkgts,bksd->bkgtd", weights, v)
 
     if t == 1:
-        # XLA:GPU runs the multiply-sum form as two reductions that read the layer's cache about
-        # 3.1 times (an f32 copy of V, transposed, among them), the products as two Triton GEMMs
-        # and a sum of their split parts that read it 1.2-1.3 times: two kernels more per layer
-        # for 1.8 cache reads less, worth it once those reads outlast two launches (1.86 µs
-        # each, perf/gpu_cost.py; 3.7 µs is 18 MB at an H200's 4.8 TB/s).
-        reads_win = k.size * k.dtype.itemsize + v.size * v.dtype.itemsize > GPU_DECODE_PRODUCTS_BYTES
-        on_gpu = functools.partial(products, multiply_sum=not reads_win)
-        out = jax.lax.platform_dependent(q, k, v, mask, cuda=on_gpu, rocm=on_gpu,
-                                         default=functools.partial(products, multiply_sum=True))
+        # XLA:GPU runs q·K as one Triton GEMM that reads K as the cache lays it out; as a
+        # multiply-sum, it wrote an f32 copy of K transposed to [S, d] first, one kernel and
+        # 1.6 times K's bytes more (Qwen2.5-1.5B's layer at batch 1, 1,024 slots: 3 kernels and
+        # 3.3 MB for attention, 2 and 1.2 MB with the product). weights·V as a multiply-sum is
+        # one reduction fused with the softmax, while the product is a split-K Triton GEMM and a
+        # sum of its parts, two kernels more, which read V less once the cache is large: there
+        # the product (16 MiB of K and V at 4 rows × 4,096 slots: 54 vs 20 MB).
+        small = k.size * k.dtype.itemsize + v.size * v.dtype.itemsize <= GPU_DECODE_PRODUCTS_BYTES
+        on_gpu = functools.partial(products, scores_as_sum=False, outputs_as_sum=small)
+        out = jax.lax.platform_dependent(q, k, v, mask, cuda=on_gpu, rocm=on_gpu, default=functools.partial(
+            products, scores_as_sum=True, outputs_as_sum=True))
     else:
-        out = products(q, k, v, mask, multiply_sum=False)
+        out = products(q, k, v, mask, scores_as_sum=False, outputs_as_sum=False)
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, num_heads, head_dim)
 
 
@@ -210,6 +213,35 @@ def _on_gpu_fsdp(mesh) -> bool:
             and getattr(getattr(mesh, "abstract_device", None), "platform", None) == "gpu")
 
 
+# Metadata of a per-layer q_proj kernel that holds the q, k and v kernels as one (`fuse_qkv_kernels`).
+QKV_IN_Q_PROJ = "qkv_in_q_proj"
+
+
+def fuse_qkv_kernels(layer: nnx.State) -> nnx.State:
+    """One layer's decode weights (weights-major, `Decoder.unstacked_layers`) with q_proj's kernel
+    [W_qᵀ; W_kᵀ; W_vᵀ] (and its bias [b_q, b_k, b_v]), tagged, and k_proj's and v_proj's empty.
+
+    Why: a GPU decode step multiplies a few rows by each projection as its own kernel, and XLA
+    fuses the k and v products (same shape) into one but not the q product: held as one, the
+    three are one kernel (Qwen2.5-1.5B's layer on one H200, XLA:GPU deviceless: 16 → 15 kernels
+    per layer and token at batch 1). The same numbers: each output is the same sum over the
+    same row of the input.
+    """
+    attention = layer["self_attn"]
+    projections = [attention[name] for name in ("q_proj", "k_proj", "v_proj")]
+    for leaf in ("kernel", "bias"):
+        if leaf not in projections[0]:
+            continue
+        parts = [p[leaf] for p in projections]
+        fused = parts[0].replace(jnp.concatenate([part[...] for part in parts], axis=0))
+        if leaf == "kernel":
+            fused.set_metadata(**{QKV_IN_Q_PROJ: True})
+        projections[0][leaf] = fused
+        for projection, part in zip(projections[1:], parts[1:]):
+            projection[leaf] = part.replace(part[...][:0])
+    return layer
+
+
 class Attention(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         c = config
@@ -227,6 +259,18 @@ class Attention(nnx.Module):
         self.k_norm = _norm(c.head_dim, c) if c.qk_norm else None
         self.scale = (None if c.query_pre_attn_scalar is None else c.query_pre_attn_scalar ** -0.5)
 
+    def _project(self, x, probes):
+        """(x·W_q, x·W_k, x·W_v), each with its bias and its probe's term. With the three kernels
+        held as one (`fuse_qkv_kernels`, per-layer decode weights on a GPU) one product, split."""
+        if not self.q_proj.kernel.get_metadata().get(QKV_IN_Q_PROJ):
+            return tuple(proj(x, probes.get(name)) for name, proj in
+                         (("q_proj", self.q_proj), ("k_proj", self.k_proj), ("v_proj", self.v_proj)))
+        q_dim, kv_dim = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = jnp.split(self.q_proj(x), (q_dim, q_dim + kv_dim), axis=-1)
+        return tuple(y if probes.get(name) is None else y + proj.probe_term(x, probes[name])
+                     for name, proj, y in (("q_proj", self.q_proj, q), ("k_proj", self.k_proj, k),
+                                           ("v_proj", self.v_proj, v)))
+
     def __call__(self, x, cos, sin, mask, probes: dict[str, SketchProbe], kv, write_index,
                  chunk_keys: bool = False, layer=None):
         """Returns (output, the cache ``kv`` after writing this chunk's keys and values, or None).
@@ -239,9 +283,10 @@ class Attention(nnx.Module):
         the chunk is written to the cache: a prefill into an empty cache, where every other slot
         is masked out anyway, scores t × t instead of t × S."""
         b, t, _ = x.shape
-        q = self.q_proj(x, probes.get("q_proj")).reshape(b, t, self.num_heads, self.head_dim)
-        k = self.k_proj(x, probes.get("k_proj")).reshape(b, t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x, probes.get("v_proj")).reshape(b, t, self.num_kv_heads, self.head_dim)
+        q, k, v = self._project(x, probes)
+        q = q.reshape(b, t, self.num_heads, self.head_dim)
+        k = k.reshape(b, t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(b, t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:   # per head, over head_dim, before the rotation
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
@@ -416,9 +461,10 @@ class Decoder(nnx.Module):
         table = self.embed_tokens.embedding[...].astype(hidden.dtype)
         return weights_major_product(table, hidden, preferred_element_type=jnp.float32)
 
-    def unstacked_layers(self) -> tuple:
+    def unstacked_layers(self, fuse_qkv: bool = False) -> tuple:
         """The layer stack's weights as one state per layer, each its own array (for a decode loop),
-        with every linear kernel stored transposed, (out, in) (`linear.weights_major`).
+        with every linear kernel stored transposed, (out, in) (`linear.weights_major`); with
+        ``fuse_qkv`` the attention's q, k and v kernels held as one (`fuse_qkv_kernels`).
 
         XLA on CPU copies a scanned layer's weights out of the stack before its dots, so a scanned
         decode step moves every weight three times; arrays made once per generate call are read
@@ -434,7 +480,8 @@ class Decoder(nnx.Module):
             def take(path, variable):
                 one = variable.replace(variable[...][i])
                 return weights_major(one) if path[-1].key == "kernel" else one
-            return jax.tree.map_with_path(take, stacked, is_leaf=lambda v: isinstance(v, nnx.Variable))
+            one = jax.tree.map_with_path(take, stacked, is_leaf=lambda v: isinstance(v, nnx.Variable))
+            return fuse_qkv_kernels(one) if fuse_qkv else one
 
         return jax.lax.optimization_barrier(tuple(layer(i) for i in range(self.config.num_layers)))
 

@@ -433,7 +433,13 @@ class Sampler:
                                          "measures both and may pick per_layer, which holds a "
                                          "second copy of the layer weights while sampling",
                                          mesh) == "per_layer"
-        kwargs = dict(top_k=top_k, top_p=top_p, greedy=greedy, limit=limit, per_layer=per_layer)
+        # One GPU decodes with q, k and v's kernels held as one (`llama.fuse_qkv_kernels`); split
+        # over several devices they would be re-split for the concatenation.
+        platform = mesh.abstract_device.platform if mesh is not None else _platform(
+            jax.tree.leaves(params))
+        fuse_qkv = per_layer and platform == "gpu" and (mesh is None or mesh.size == 1)
+        kwargs = dict(top_k=top_k, top_p=top_p, greedy=greedy, limit=limit, per_layer=per_layer,
+                      fuse_qkv=fuse_qkv)
         if mesh is None:
             return self._generate_batch(params, prompt_tokens, prompt_mask, rng, temperature,
                                         **kwargs)
@@ -442,14 +448,16 @@ class Sampler:
                                         **kwargs)
 
     def _generate_batch(self, params, prompt_tokens, prompt_mask, rng, temperature, *,
-                        top_k: int, top_p: float, greedy: bool, limit, per_layer: bool) -> SampleOutput:
+                        top_k: int, top_p: float, greedy: bool, limit, per_layer: bool,
+                        fuse_qkv: bool) -> SampleOutput:
         """Every row, in one pass or ``rows_per_pass`` at a time."""
         batch = prompt_tokens.shape[0]
         check_counter_range((batch, self.policy.bind(params).config.vocab_size))
         rows = jnp.arange(batch, dtype=jnp.int32)
         per_pass = self.rows_per_pass or batch
         passes = batch // per_pass
-        kwargs = dict(top_k=top_k, top_p=top_p, greedy=greedy, limit=limit, per_layer=per_layer)
+        kwargs = dict(top_k=top_k, top_p=top_p, greedy=greedy, limit=limit, per_layer=per_layer,
+                      fuse_qkv=fuse_qkv)
         if passes == 1:
             return self._generate_rows(params, prompt_tokens, prompt_mask, rows, rng, temperature,
                                        **kwargs)
@@ -466,8 +474,10 @@ class Sampler:
         return jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1).reshape(batch, *x.shape[2:]), out)
 
     def _generate_rows(self, params, prompt_tokens, prompt_mask, rows, rng, temperature, *,
-                       top_k: int, top_p: float, greedy: bool, limit, per_layer: bool) -> SampleOutput:
-        """One pass over ``rows`` of the batch: prefill, then decode until every row has ended."""
+                       top_k: int, top_p: float, greedy: bool, limit, per_layer: bool,
+                       fuse_qkv: bool) -> SampleOutput:
+        """One pass over ``rows`` of the batch: prefill, then decode until every row has ended;
+        ``fuse_qkv``: per-layer decode weights with q, k and v's kernels as one."""
         model = self.policy.bind(params)
         probes = self.policy.probes(params)   # LoRA adapters, if the params hold any
         batch, prompt_len = prompt_tokens.shape
@@ -485,7 +495,8 @@ class Sampler:
         last_logits = model.vocab_major_logits(hidden[:, -1])
         layers = None
         if per_layer:   # once per call: every decode step reads these arrays in place
-            layers, cache = model.unstacked_layers(), cache.unstacked()
+            layers = model.unstacked_layers(fuse_qkv=fuse_qkv)
+            cache = cache.unstacked()
         eos = jnp.asarray(self.eos_ids, jnp.int32)
 
         def pick(logits_t, key):
