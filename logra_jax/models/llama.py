@@ -225,7 +225,8 @@ def fuse_qkv_kernels(layer: nnx.State) -> nnx.State:
     fuses the k and v products (same shape) into one but not the q product: held as one, the
     three are one kernel (Qwen2.5-1.5B's layer on one H200, XLA:GPU deviceless: 16 → 15 kernels
     per layer and token at batch 1). The same numbers: each output is the same sum over the
-    same row of the input.
+    same row of the input. Not on XLA:CPU, whose products of the fused kernel ran slower
+    (docs/results/sampler.md, "Tried, not kept").
     """
     attention = layer["self_attn"]
     projections = [attention[name] for name in ("q_proj", "k_proj", "v_proj")]
