@@ -428,6 +428,22 @@ def test_a_default_decode_step_writes_its_cache_slot_in_place_and_sorts_nothing(
     assert not any("sort" in kind for kind in step.kernels_by_kind()), step.kernels_by_kind()
 
 
+def test_a_decode_steps_attention_reads_the_cache_in_place(one_gpu):
+    """Attention for one query per row, Qwen2.5-1.5B's heads at batch 1 over 1,024 slots, as
+    XLA:GPU compiles it for one H200: q·K as a product that reads K as the cache lays it out,
+    weights·V fused with the softmax: two kernels, each cache read about once. With q·K as a
+    multiply-sum XLA wrote an f32 copy of K transposed first: 3 kernels, 3.1 times the bytes."""
+    from logra_jax.models.llama import grouped_query_attention
+    heads, kv_heads, head_dim, slots = 12, 2, 128, 1024
+    cost = _compile(one_gpu, grouped_query_attention, ((1, 1, heads, head_dim), jnp.bfloat16),
+                    ((1, kv_heads, head_dim, slots), jnp.bfloat16),
+                    ((1, kv_heads, slots, head_dim), jnp.bfloat16), ((1, 1, slots), jnp.bool_))
+    cost = gpu_cost.Program(cost.as_text()).cost()
+    cache = 2 * kv_heads * slots * head_dim * BF16
+    assert cost.kernels <= 2, cost.kernels_by_kind()
+    assert cost.bytes <= 1.15 * cache, cost.largest(4)
+
+
 def test_peak_breakdown_of_generate_adds_up_to_xlas_memory_analysis(tmp_path):
     """`hlo_dump.peak_breakdown` of the sampler's generate, as XLA:GPU compiles it for one H200:
     its labels add up to the memory analysis (arguments + outputs − aliased + temporaries). Read
