@@ -160,14 +160,16 @@ def test_per_layer_decode_reads_weights_major_kernels(tied, tokens):
     np.testing.assert_allclose(jnp.concatenate(pieces, axis=1), full, atol=1e-5)
 
 
-@pytest.mark.parametrize("qkv_bias", [False, True])
-def test_per_layer_decode_with_one_qkv_kernel_gives_the_same_logits(qkv_bias, tokens):
+@pytest.mark.parametrize("qkv_bias, gemma", [(False, False), (True, False), (False, True)])
+def test_per_layer_decode_with_one_qkv_kernel_gives_the_same_logits(qkv_bias, gemma, tokens):
     """`unstacked_layers(fuse_qkv=True)` (a GPU's per-layer decode weights) holds q, k and v's
     kernels and biases as one in q_proj, tagged, k_proj's and v_proj's empty; decoding with them,
     with live probes (LoRA adapters while sampling) on q, k and v, gives the logits of the same
-    layers unfused (a split at the wrong offsets, a bias left out or a probe dropped would not)."""
+    layers unfused (a split at the wrong offsets, a bias left out or a probe dropped would not);
+    also with Gemma 3's per-head q and k norms and sandwich norms."""
     from logra_jax.models.llama import QKV_IN_Q_PROJ
-    model = Decoder(dataclasses.replace(CONFIG, qkv_bias=qkv_bias), rngs=nnx.Rngs(0))
+    gemma_parts = dict(qk_norm=True, sandwich_norms=True, norm_unit_offset=True) if gemma else {}
+    model = Decoder(dataclasses.replace(CONFIG, qkv_bias=qkv_bias, **gemma_parts), rngs=nnx.Rngs(0))
     if qkv_bias:   # zero at init: give the biases values, so that leaving one out shows
         attention = model.layers.self_attn
         for i, proj in enumerate((attention.q_proj, attention.k_proj, attention.v_proj)):
