@@ -350,14 +350,13 @@ def test_decode_at_batch_1_moves_at_most_1_10_times_the_floor(qwen_plan):
     assert d["bytes_over_floor"] <= 1.10, d["bytes_by_kind"]
 
 
-def test_decode_launches_at_most_15_kernels_per_layer(qwen_plan):
-    """15 is what XLA:GPU's fusions reach with q, k and v's kernels held as one (16 with three;
-    the stacked step: 26). The floor the design aims at is 10, which needs what XLA leaves
-    separate fused: each RMSNorm's reduction and multiply into the projection after it, the SiLU
-    product into down_proj, down_proj's split-K parts summed in its own kernel, q's rotation into
-    the q·K product."""
+def test_decode_launches_at_most_10_kernels_per_layer(qwen_plan):
+    """9 with the decode kernels (models/decode_kernels.py: each norm one kernel, attention one):
+    the two norms, the qkv and o products, attention, gate|up, the SiLU product, down_proj's
+    split-K GEMM and the sum of its parts. XLA:GPU's own fusions reach 15 (q, k and v's kernels
+    held as one; 16 with three; the stacked step: 25)."""
     d = _default_decode(qwen_plan[1], 1)
-    assert d["kernels_per_layer"] <= 15, d["kernels_by_kind"]
+    assert d["kernels_per_layer"] <= 10, d["kernels_by_kind"]
 
 
 def test_decode_syncs_the_host_at_most_once_per_16_tokens(qwen_plan):
@@ -365,13 +364,14 @@ def test_decode_syncs_the_host_at_most_once_per_16_tokens(qwen_plan):
     assert d["host_syncs_per_token"] <= 1 / 16
 
 
-def test_decode_at_batch_64_moves_at_most_1_4_times_the_floor(qwen_plan):
-    """1.36 at this layer count (1.31 at 28; the stacked step: 3.1, before its cache was written in
-    place 5.4). The aim is 1.25: what is left over is XLA's default split-K GEMMs writing and
-    re-reading fp32 partial sums (~23 MB a layer at batch 64) and sampling's passes over the fp32
-    logits."""
+def test_decode_at_batch_64_moves_at_most_1_3_times_the_floor(qwen_plan):
+    """The bound is 1.25 at the model's 28 layers (1.22 there, `launch.cost` on the config); at 3
+    layers the step's fixed bytes, sampling's passes over the fp32 logits, weigh more: 1.28. With
+    XLA's attention, which writes the scores and reads them back, 1.36 here (1.31 at 28); the
+    stacked step 3.1. What is left over is XLA's default split-K GEMMs writing and re-reading
+    fp32 partial sums (~23 MB a layer at batch 64) and those passes over the logits."""
     d = _default_decode(qwen_plan[1], 64)
-    assert d["bytes_over_floor"] <= 1.40, d["bytes_by_kind"]
+    assert d["bytes_over_floor"] <= 1.30, d["bytes_by_kind"]
 
 
 def test_logra_update_launches_at_most_1_2_times_adamws_kernels(qwen_plan):
@@ -442,6 +442,29 @@ def test_a_decode_steps_attention_reads_the_cache_in_place(one_gpu):
     cache = 2 * kv_heads * slots * head_dim * BF16
     assert cost.kernels <= 2, cost.kernels_by_kind()
     assert cost.bytes <= 1.15 * cache, cost.largest(4)
+
+
+def test_the_decode_attention_kernel_is_one_launch_that_reads_the_cache_once(one_gpu):
+    """`decode_kernels.decode_attention` as XLA:GPU compiles it for one H200 (Triton, deviceless):
+    one kernel, and the cache it updates in place (one slot written) counted as read once, not
+    written whole: Qwen2.5-1.5B's heads at batch 1 over 1,024 slots."""
+    from logra_jax.models import decode_kernels
+    heads, kv_heads, head_dim, slots = 12, 2, 128, 1024
+
+    def attention(qkv, cos, sin, cache_k, cache_v, mask, slot):
+        return decode_kernels.decode_attention(qkv, cos, sin, cache_k, cache_v, mask, slot,
+                                               heads=heads)
+
+    compiled = _compile(one_gpu, attention, ((1, (heads + 2 * kv_heads) * head_dim), jnp.bfloat16),
+                        ((1, head_dim), jnp.bfloat16), ((1, head_dim), jnp.bfloat16),
+                        ((1, kv_heads, head_dim, slots), jnp.bfloat16),
+                        ((1, kv_heads, slots, head_dim), jnp.bfloat16), ((1, slots), jnp.bool_),
+                        ((), jnp.int32), donate=(3, 4))
+    cost = gpu_cost.Program(compiled.as_text()).cost()
+    cache = 2 * kv_heads * slots * head_dim * BF16
+    assert cost.kernels_by_kind().get("Pallas kernel") == 1, cost.kernels_by_kind()
+    assert cost.kernels <= 2, cost.kernels_by_kind()   # and the mask made int32
+    assert cache <= cost.bytes <= 1.05 * cache, cost.largest(4)
 
 
 def test_peak_breakdown_of_generate_adds_up_to_xlas_memory_analysis(tmp_path):

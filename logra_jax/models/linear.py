@@ -154,9 +154,11 @@ class Linear(nnx.Module):
         self.bias = (nnx.Param(jnp.zeros((out_features,), param_dtype)) if use_bias else None)
 
     def __call__(self, x: jax.Array, probe: SketchProbe | None = None,
-                 kernel_hint=None) -> jax.Array:
+                 kernel_hint=None, with_bias: bool = True) -> jax.Array:
         """``kernel_hint``: a function of the kernel (as stored, in the compute dtype) that lays
-        it out for this product without changing its values (`llama.gathered_by_output_blocks`)."""
+        it out for this product without changing its values (`llama.gathered_by_output_blocks`).
+        ``with_bias=False``: the product alone, for a consumer that adds the bias itself (a GPU
+        decode step's attention kernel, `decode_kernels.decode_attention`)."""
         # One flat token dim: the backward pass contracts H (tokens × out, the layer's output
         # gradient) over the tokens for the weight gradient or the sketch Hᵀ(x·Aᵀ), and with x as
         # (batch, seq, in) XLA:CPU does that by first writing a transposed copy of H (measured
@@ -175,7 +177,7 @@ class Linear(nnx.Module):
             y = weights_major_matmul(x, kernel) if stored_transposed else x @ kernel
             if probe is not None:
                 y = y + self.probe_term(x, probe)
-        if self.bias is not None:
+        if self.bias is not None and with_bias:
             y = y + self.bias[...].astype(self.dtype)
         return y.reshape(lead + (y.shape[-1],))
 

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from logra_jax.models import decode_kernels
 from logra_jax.models.config import ModelConfig
 from logra_jax.models.kv_cache import KVCache
 from logra_jax.models.linear import Linear, weights_major, weights_major_product
@@ -87,6 +88,15 @@ class RMSNorm(nnx.Module):
         if self.unit_offset:
             return (normed * (1.0 + self.scale[...].astype(jnp.float32))).astype(self.dtype)
         return self.scale[...].astype(self.dtype) * normed.astype(self.dtype)
+
+    def in_one_kernel(self, x: jax.Array, residual: jax.Array | None = None):
+        """This norm of a decode step's rows x [b, 1, d] as one GPU kernel
+        (`decode_kernels.rms_norm`); with ``residual``, (x + residual, its norm) in that kernel."""
+        rows = lambda a: a.reshape(a.shape[0], -1)
+        out = decode_kernels.rms_norm(rows(x), self.scale[...], eps=self.eps,
+                                      unit_offset=self.unit_offset,
+                                      residual=None if residual is None else rows(residual))
+        return jax.tree.map(lambda a: a.reshape(x.shape), out)
 
 
 def _norm(dim: int, config: ModelConfig) -> RMSNorm:
@@ -272,8 +282,19 @@ class Attention(nnx.Module):
                      for name, proj, y in (("q_proj", self.q_proj, q), ("k_proj", self.k_proj, k),
                                            ("v_proj", self.v_proj, v)))
 
+    def _project_as_one(self, x, probes):
+        """([x·W_q, x·W_k, x·W_v] side by side, the biases [b_q, b_k, b_v] still to add or None).
+        With q, k and v's kernels held as one (`fuse_qkv_kernels`) and no probes, that one
+        product, its bias left to the attention kernel: XLA:GPU added it in a kernel of its own.
+        Otherwise the three projections, concatenated."""
+        fused = self.q_proj.kernel.get_metadata().get(QKV_IN_Q_PROJ)
+        if fused and not any(probes.get(name) is not None for name in ("q_proj", "k_proj", "v_proj")):
+            bias = self.q_proj.bias
+            return self.q_proj(x, with_bias=False), None if bias is None else bias[...]
+        return jnp.concatenate(self._project(x, probes), axis=-1), None
+
     def __call__(self, x, cos, sin, mask, probes: dict[str, SketchProbe], kv, write_index,
-                 chunk_keys: bool = False, layer=None):
+                 chunk_keys: bool = False, layer=None, kernels: bool = False):
         """Returns (output, the cache ``kv`` after writing this chunk's keys and values, or None).
 
         ``kv``: (k, v) of this layer, or with ``layer`` (an int32 scalar) the whole stack's, whose
@@ -282,8 +303,17 @@ class Attention(nnx.Module):
         into a new cache (which held every cache twice and rewrote it every token).
         ``chunk_keys``: the queries attend to this chunk's own keys (``mask`` [b, t, t]) though
         the chunk is written to the cache: a prefill into an empty cache, where every other slot
-        is masked out anyway, scores t × t instead of t × S."""
+        is masked out anyway, scores t × t instead of t × S.
+        ``kernels``: a decode step of one layer's cache on a GPU, whose rotations, cache writes
+        and attention run as one kernel (`decode_kernels.decode_attention`)."""
         b, t, _ = x.shape
+        if kernels:
+            qkv, bias = self._project_as_one(x, probes)
+            out, *new_kv = decode_kernels.decode_attention(
+                qkv[:, 0], cos[:, 0], sin[:, 0], *kv, mask[:, 0], write_index, bias=bias,
+                heads=self.num_heads, scale=self.scale)
+            return (split_output_product(lambda x: self.o_proj(x, probes.get("o_proj")),
+                                         out.reshape(b, t, -1)), tuple(new_kv))
         q, k, v = self._project(x, probes)
         q = q.reshape(b, t, self.num_heads, self.head_dim)
         k = k.reshape(b, t, self.num_kv_heads, self.head_dim)
@@ -397,10 +427,28 @@ class Block(nnx.Module):
             self.pre_feedforward_layernorm = _norm(c.hidden_size, c)
             self.post_feedforward_layernorm = _norm(c.hidden_size, c)
 
+    def _project_as_one(self, x, probes):
+        """([x·W_q, x·W_k, x·W_v] side by side, the biases [b_q, b_k, b_v] still to add or None).
+        With q, k and v's kernels held as one (`fuse_qkv_kernels`) and no probes, that one
+        product, its bias left to the attention kernel: XLA:GPU added it in a kernel of its own.
+        Otherwise the three projections, concatenated."""
+        fused = self.q_proj.kernel.get_metadata().get(QKV_IN_Q_PROJ)
+        if fused and not any(probes.get(name) is not None for name in ("q_proj", "k_proj", "v_proj")):
+            bias = self.q_proj.bias
+            return self.q_proj(x, with_bias=False), None if bias is None else bias[...]
+        return jnp.concatenate(self._project(x, probes), axis=-1), None
+
     def __call__(self, x, cos, sin, mask, probes: dict[str, SketchProbe], kv, write_index,
-                 chunk_keys: bool = False, layer=None):
+                 chunk_keys: bool = False, layer=None, kernels: bool = False):
+        """``kernels``: a decode step of per-layer weights on a GPU (`decode_kernels`): each norm
+        one kernel, the attention's residual sum in the second's, attention one kernel."""
         attn_probes = {k.split("/")[1]: p for k, p in probes.items() if k.startswith("self_attn/")}
         mlp_probes = {k.split("/")[1]: p for k, p in probes.items() if k.startswith("mlp/")}
+        if kernels:
+            attn_out, new_kv = self.self_attn(self.input_layernorm.in_one_kernel(x), cos, sin, mask,
+                                              attn_probes, kv, write_index, kernels=True)
+            h, normed = self.post_attention_layernorm.in_one_kernel(x, residual=attn_out)
+            return h + self.mlp(normed, mlp_probes, "decode"), new_kv
         attn_out, new_kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, attn_probes, kv,
                                           write_index, chunk_keys, layer)
         step = None if kv is None else "prefill" if chunk_keys else "decode"
@@ -521,7 +569,7 @@ class Decoder(nnx.Module):
     def __call__(self, tokens: jax.Array, *, positions: jax.Array | None = None,
                  segment_mask: jax.Array | None = None, probes: dict[str, SketchProbe] | None = None,
                  cache: KVCache | None = None, return_hidden: bool = False, layers=None,
-                 prefill: bool = False):
+                 prefill: bool = False, kernels: bool = False):
         """Logits [b, t, V] fp32 (or the final-normed hidden [b, t, d]); with a cache, (out, new cache).
 
         tokens: int32 [b, t]. positions: int32 [b, t] RoPE positions (default: cache index + arange).
@@ -532,6 +580,8 @@ class Decoder(nnx.Module):
         attend to its own t keys, not all S slots (every other slot is masked out, so the values are
         those of attending to the cache, up to the order of summing): the scores are b × H × t × t.
         A sampler's prompt of 512 tokens under a 2048-slot cache held 4× the scores without it.
+        kernels: a decode step (one token, per-layer weights and cache) on a GPU with each layer's
+        norms and attention as the kernels of decode_kernels.py (`decode_kernels.fits` the model).
         """
         c = self.config
         layer_probes = self._per_layer_probes(probes)
@@ -574,6 +624,9 @@ class Decoder(nnx.Module):
             if (layers is not None) != cache.per_layer:
                 raise ValueError("per-layer weights (layers=) go with a per-layer cache "
                                  "(KVCache.unstacked()) and the other way round")
+        if kernels and (cache is None or layers is None or t != 1 or not decode_kernels.fits(c)):
+            raise ValueError("kernels=True is for a decode step (one token) of per-layer weights "
+                             "and cache, of a model decode_kernels.fits")
 
         x = shard_batch(self.embed_tokens(tokens))
         cos, sin = rotary_cos_sin(positions, inverse_frequencies(c.head_dim, c.rope_theta, c.rope_scaling),
@@ -595,7 +648,7 @@ class Decoder(nnx.Module):
                 cos_l, sin_l = (jnp.where(sliding_l, a, b) for a, b in zip(local_rope, (cos, sin)))
                 mask_l = mask & (window[None] | ~sliding_l)
             return block(shard_batch(h), cos_l, sin_l, mask_l, probes_l, kv_l, offset,
-                         prefill and cache is not None, stack_index)
+                         prefill and cache is not None, stack_index, kernels)
 
         if layers is not None:
             # Decoding with per-layer weights (unstacked_layers): the layers run one after the

@@ -14,7 +14,7 @@ conditional branches and of command-buffer calls each become what the emitter ma
   dynamic-update-slice (below) — except a fusion whose every root is a ``copy`` of a parameter
   with the same layout, which is one device-to-device memcpy per root (``MemcpyFusion``);
 - ``copy``: one device-to-device memcpy (a copy that changes the layout is a fusion by then);
-- ``custom-call``: one library call (cuBLAS GEMM, cuDNN, TopK, ...);
+- ``custom-call``: one library call (cuBLAS GEMM, cuDNN, TopK, ...) or one Pallas kernel;
 - ``sort`` (alone or as the root of a sort fusion): XLA's bitonic sort, one kernel per group of
   stages (``EmitBitonicSortLLVMIR``: the stages whose compare distance fits a shared-memory tile
   run in one kernel, each longer one in its own), after a memcpy of each operand that cannot be
@@ -46,7 +46,10 @@ types:
   reduction fusion for a batch of one); a re-read of tiles from cache is not counted;
 - a memcpy reads and writes its bytes; a sort's kernels each read and write all its operands; a
   collective reads its operands and writes its results; a library call reads its operands and
-  writes its first result (a GEMM's second, when there is one, is its workspace).
+  writes its first result (a GEMM's second, when there is one, is its workspace); a Pallas
+  kernel reads its operands and writes its results, except those it updates in an operand's
+  buffer (``output_to_operand_aliasing``), of which it writes only a part the program does not
+  show: counted as nothing (the decode attention's cache, of which it writes one slot).
 
 This is a model of traffic to device memory, not a simulation of caches: L2 reuse between kernels
 is not subtracted, and a kernel that reads an operand twice counts it once.
@@ -526,8 +529,15 @@ def _fusion_kind(fusion: hlo_module.Instruction) -> str:
                 emitter.group(1) if emitter else "", "fusion")
 
 
+# An entry of a custom call's output_to_operand_aliasing={{1}: (6, {}), ...}: output 1 is operand 6.
+_ALIASED_OUTPUT = re.compile(r"\{(\d+)\}: \(\d+, \{")
+
+
 def _library_call(target: str, call: hlo_module.Instruction) -> tuple[str, float]:
     """(kind, bytes written) of a custom-call."""
+    if target == "__gpu$xla.gpu.triton":   # a Pallas kernel (models/decode_kernels.py)
+        updated = {int(i) for i in _ALIASED_OUTPUT.findall(call.attributes)}
+        return "Pallas kernel", sum(a.bytes for i, a in enumerate(call.shape) if i not in updated)
     if target.startswith("__cublas"):
         return "cuBLAS GEMM", call.shape[0].bytes
     if target.startswith("__cudnn"):

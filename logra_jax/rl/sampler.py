@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
+from logra_jax.models import decode_kernels
 from logra_jax.projections import check_counter_range, hash_positions
 from logra_jax.rl import decode_mode
 from logra_jax.rl.policy import Policy
@@ -477,7 +478,8 @@ class Sampler:
                        top_k: int, top_p: float, greedy: bool, limit, per_layer: bool,
                        fuse_qkv: bool) -> SampleOutput:
         """One pass over ``rows`` of the batch: prefill, then decode until every row has ended;
-        ``fuse_qkv``: per-layer decode weights with q, k and v's kernels as one."""
+        ``fuse_qkv``: per-layer decode weights on one GPU, with q, k and v's kernels as one and,
+        for a model `decode_kernels.fits`, each layer's norms and attention as its kernels."""
         model = self.policy.bind(params)
         probes = self.policy.probes(params)   # LoRA adapters, if the params hold any
         batch, prompt_len = prompt_tokens.shape
@@ -497,6 +499,7 @@ class Sampler:
         if per_layer:   # once per call: every decode step reads these arrays in place
             layers = model.unstacked_layers(fuse_qkv=fuse_qkv)
             cache = cache.unstacked()
+        kernels = fuse_qkv and decode_kernels.fits(model.config)
         eos = jnp.asarray(self.eos_ids, jnp.int32)
 
         def pick(logits_t, key):
@@ -552,7 +555,7 @@ class Sampler:
             active = more(carry) if chunked else None
             hidden, cache = model(token[:, None], positions=position[:, None],
                                   segment_mask=valid[:, None], cache=cache, probes=probes,
-                                  layers=layers, return_hidden=True)
+                                  layers=layers, return_hidden=True, kernels=kernels)
             return choose(step + 1, cache, model.vocab_major_logits(hidden[:, -1]), done,
                           position + 1, key, tokens, logprobs, mask, active)
 
