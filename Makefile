@@ -39,7 +39,7 @@ TESTFLAGS ?= -n 2 --dist loadfile --no-loadscope-reorder --durations=15
 test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -q $(TESTFLAGS) tests
 
-# The measurements on a CUDA machine, at most ~8 minutes (launch/gpu_check.py; docs/gpu.md). It
+# The measurements on a CUDA machine, at most ~9 minutes (launch/gpu_check.py; docs/gpu.md). It
 # installs nothing: PYTHON is the interpreter that already has a CUDA jax. A bundle's wheels
 # (bundle/site) and tokenizer header are used when present. ALLOW_CPU=1 runs it on CPU at toy sizes.
 GPU_CHECK_OUT ?= runs/gpu_check

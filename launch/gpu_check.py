@@ -1,7 +1,7 @@
 """`make gpu-check`: everything a CUDA machine can tell us, in one time-bounded run.
 
-    python -m launch.gpu_check [--out runs/gpu_check] [--size full|small] [--budget_s 470] \
-        [--parts memory,plan,time,sampler,rl] [--memory_budget_gib X] [--plan_target h200-8]
+    python -m launch.gpu_check [--out runs/gpu_check] [--size full|small] [--budget_s 515] \
+        [--parts memory,plan,time,kernels,sampler,rl] [--memory_budget_gib X] [--plan_target h200-8]
 
 Each part is a fresh process of one of the project's commands, cut at its own time limit and at
 what is left of the whole budget (a part that does not finish keeps its log, and its cell says so):
@@ -18,6 +18,9 @@ what is left of the whole budget (a part that does not finish keeps its log, and
   logra_jax/perf/machines.py; where this checkout or its CUDA plugin lacks it, the cell says why)
   and by XLA:CPU — on the host's CPU while the other parts run (JAX_PLATFORMS=cpu).
 - time: update time LoGRA vs AdamW at 7B proportions (launch.step_time, bf16, widths 2048, 4096).
+- kernels: a decode with the GPU's decode kernels (models/decode_kernels.py) against one without,
+  fp32 and bf16, batches 1 and 16 (launch.kernel_check): run first on the device, as the sampler
+  part decodes with them.
 - sampler: tokens/s and achieved/roofline at batch 1 / 16 / 64, stacked and per-layer decode, the
   SmolLM2-135M shape with random weights (launch.sampler_bench).
 - rl: seconds per RL step of the whole loop, split by phase, Qwen2.5-1.5B's shape with random
@@ -54,7 +57,7 @@ _OUT = flags.DEFINE_string("out", os.environ.get("GPU_CHECK_OUT") or "runs/gpu_c
                            "(default $GPU_CHECK_OUT or runs/gpu_check).")
 _SIZE = flags.DEFINE_enum("size", None, ["full", "small"], "full: the 7B / 1.5B shapes (a GPU); "
                           "small: toy shapes for the CPU (default on CPU).")
-_BUDGET = flags.DEFINE_float("budget_s", 470.0, "Seconds for all parts together.")
+_BUDGET = flags.DEFINE_float("budget_s", 515.0, "Seconds for all parts together.")
 _PARTS = flags.DEFINE_list("parts", None, "Parts to run besides versions (default: all).")
 _MEMORY_BUDGET = flags.DEFINE_float("memory_budget_gib", None, "For the memory part: GiB one device "
                                     "may hold, instead of the device's own limit (on CPU, which "
@@ -62,7 +65,7 @@ _MEMORY_BUDGET = flags.DEFINE_float("memory_budget_gib", None, "For the memory p
 _PLAN_TARGET = flags.DEFINE_string("plan_target", None, "launch.memory --target of the deviceless "
                                    "XLA:GPU plan (default: from the GPU's name, h200-8 otherwise).")
 
-PARTS = ("memory", "plan", "time", "sampler", "rl")   # and versions, always first
+PARTS = ("memory", "plan", "time", "kernels", "sampler", "rl")   # and versions, always first
 OPTIMIZERS = ("logra", "adamw")
 MEM_FRACTION = "0.95"
 RL_WORKDIR = "rl_run"
@@ -80,6 +83,7 @@ DEFAULT_PLAN_TARGET = "h200-8"
 class Size:
     memory_config: str
     time_args: tuple[str, ...]
+    kernel_args: tuple[str, ...]
     sampler_args: tuple[str, ...]
     rl_args: tuple[str, ...]
     limits: dict   # part → seconds
@@ -90,20 +94,22 @@ FULL = Size(
     time_args=("--widths", "2048,4096", "--layers", "4", "--rows", "8", "--prompt_length", "512",
                "--completion_length", "1536", "--rank", "144", "--vocab", "4096", "--micro_steps",
                "2", "--repeats", "3", "--dtype", "bfloat16"),
+    kernel_args=("--shape", "smollm2_135m", "--layers", "4", "--rows", "1,16", "--steps", "8"),
     sampler_args=("--dtype", "bfloat16", "--meshes", "1", "--batches", "1,16,64",
                   "--decode_weights", "stacked,per_layer", "--repeats", "3", "--prompt_length",
                   "64", "--completion_length", "128", "--config.model.source=random:smollm2_135m"),
     rl_args=("--config", "configs/qwen2_5_1_5b.py", "--steps", "3"),
-    limits=dict(versions=60, memory=80, plan=450, time=80, sampler=90, rl=130))
+    limits=dict(versions=60, memory=80, plan=450, time=80, kernels=45, sampler=90, rl=130))
 SMALL = Size(
     memory_config="configs/tiny.py",
     time_args=("--widths", "128", "--layers", "1", "--rows", "2", "--prompt_length", "8",
                "--completion_length", "8", "--rank", "8", "--vocab", "256", "--repeats", "1"),
+    kernel_args=("--shape", "tiny", "--rows", "2", "--steps", "2", "--prompt_length", "4"),
     sampler_args=("--config", "configs/tiny.py", "--meshes", "1", "--batches", "1",
                   "--decode_weights", "stacked,per_layer", "--repeats", "1", "--prompt_length", "8",
                   "--completion_length", "4"),
     rl_args=("--config", "configs/tiny.py", "--steps", "2", "--config.rl.max_completion_length=4"),
-    limits=dict(versions=60, memory=120, plan=240, time=120, sampler=120, rl=120))
+    limits=dict(versions=60, memory=120, plan=240, time=120, kernels=120, sampler=120, rl=120))
 
 
 def _python() -> str:
@@ -170,6 +176,9 @@ def build_parts(size: Size, selected, memory_budget, plan_target, on_gpu: bool) 
         if on_gpu:   # on a CPU the memory part's own prediction is XLA:CPU's plan already
             parts.append(Part("plan_cpu", plan + ["--json", "plan_cpu.json"], size.limits["plan"],
                               dict(JAX_PLATFORMS="cpu")))
+    if "kernels" in selected:   # first on the device: the sampler part decodes with them
+        parts.append(Part("kernels", [py, "-m", "launch.kernel_check", *size.kernel_args],
+                          size.limits["kernels"]))
     if "memory" in selected:
         for opt in OPTIMIZERS:
             argv = [py, "-m", "launch.step_time", "--config", size.memory_config, "--peak_memory",
@@ -276,6 +285,15 @@ def collect(parts: list[Part], out: pathlib.Path) -> dict:
                 result[name] = {"target": found.get("target"), "peak": peaks, "refused": refused}
     if "time" in by_name:
         result["time"] = _read_json(out / "time.json") or {"absent": _why(by_name["time"], out)}
+    if "kernels" in by_name:
+        try:
+            lines = (out / "kernels.out").read_text().splitlines()
+            rows = [json.loads(line) for line in lines if line.startswith("{")]
+        except (OSError, ValueError):
+            rows = []
+        result["kernels"] = {"rows": rows, "status": by_name["kernels"].status}
+        if by_name["kernels"].status != "ok":
+            result["kernels"]["why"] = _why(by_name["kernels"], out)
     if "sampler" in by_name:
         try:
             rows = [json.loads(line) for line in (out / "sampler.jsonl").read_text().splitlines()]

@@ -1,8 +1,8 @@
 """`make gpu-check`'s page: the check's result (launch/gpu_check.py: `collect`) as markdown tables.
 
 Peak memory of one update (measured, XLA's prediction on the device, the deviceless XLA:GPU and
-XLA:CPU plans, and LoGRA over AdamW for each), update time, the sampler, seconds per RL step, and
-every part's command, status and seconds. A part that gave no figure shows why ("absent (...)").
+XLA:CPU plans, and LoGRA over AdamW for each), update time, the decode kernels against the layers,
+the sampler, seconds per RL step, and every part's command, status and seconds. A part that gave no figure shows why ("absent (...)").
 """
 
 from __future__ import annotations
@@ -100,6 +100,21 @@ def markdown(result: dict, when: str) -> str:
                              f"{w['ms']['logra'] / w['ms']['adamw']:.3f} | "
                              f"{w['paired']['logra'][0]:.3f} | {flops:.3f} |")
             lines.append("")
+    k = result.get("kernels")
+    if k:
+        lines += ["## Decode kernels against the layers", ""]
+        if k["rows"]:
+            r0 = k["rows"][0]
+            lines += [f"{r0['shape']} ({r0['layers']} layers, random weights), {r0['steps']} decode "
+                      f"steps, {r0['device_kind']}, kernels run by {r0['kernels']}; the largest "
+                      f"difference relative to the largest magnitude of the layers' own", "",
+                      "| dtype | rows | logits | cache | tolerance | within |", "|---|---|---|---|---|---|"]
+            lines += [f"| {r['dtype']} | {r['rows']} | {r['logits_rel_diff']:.2e} | "
+                      f"{r['cache_rel_diff']:.2e} | {r['tolerance']:g} | "
+                      f"{'yes' if r['ok'] else '**no**'} |" for r in k["rows"]]
+        if k["status"] != "ok":
+            lines.append(f"\nnot every row passed or finished: {k.get('why', k['status'])}")
+        lines.append("")
     s = result.get("sampler")
     if s:
         lines += ["## Sampler", ""]

@@ -52,12 +52,15 @@ def test_gpu_check_on_cpu_writes_its_tables_and_an_update_that_does_not_fit(tmp_
     assert ("absent" in plan and plan["absent"]) or set(plan["peak"]) | set(plan["refused"])
     assert [w["width"] for w in result["time"]["widths"]] == [128]
     assert {r["decode_weights"] for r in result["sampler"]["rows"]} == {"stacked", "per_layer"}
+    kernels = result["kernels"]["rows"]   # through Pallas' interpreter here
+    assert {r["dtype"] for r in kernels} == {"float32", "bfloat16"} and all(r["ok"] for r in kernels)
+    assert all(r["logits_rel_diff"] <= r["tolerance"] for r in kernels), kernels
     rl = result["rl"]
     assert rl["steps"] == 2 and rl["steady"]["step_seconds"] > 0
     assert rl["steady"]["generated_tokens_per_second_per_device"] > 0
     assert all(p["status"] == "ok" for name, p in result["parts"].items() if name != "plan_gpu")
-    for heading in ("## Peak memory", "## Update time", "## Sampler", "## Seconds per RL step",
-                    "## Commands"):
+    for heading in ("## Peak memory", "## Update time", "## Decode kernels against the layers",
+                    "## Sampler", "## Seconds per RL step", "## Commands"):
         assert heading in page
     assert "python -m launch.rl_step_time --config configs/tiny.py" in page
 
