@@ -1,7 +1,8 @@
 """Whether a GPU's decode kernels compute what the layers do, on the device itself: the `kernels`
 part of `make gpu-check` (launch/gpu_check.py).
 
-    python -m launch.kernel_check [--shape smollm2_135m] [--layers 4] [--rows 1,16] [--steps 8]
+    python -m launch.kernel_check [--shape smollm2_135m] [--layers 4] [--rows 1,16] [--steps 8] \
+        [--dtypes float32,bfloat16]
 
 The sampler decodes on one GPU with each RMSNorm and the attention as kernels of the project's own
 (logra_jax/models/decode_kernels.py). Their arithmetic is checked on a CPU through Pallas'
@@ -20,6 +21,7 @@ by the values' own size. Exits 1 with an ``error:`` line when a figure is beyond
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 from absl import flags
@@ -31,6 +33,7 @@ _SHAPE = flags.DEFINE_string("shape", "smollm2_135m", "A published model shape "
 _LAYERS = flags.DEFINE_integer("layers", 4, "Layers of the model (0: the shape's own).")
 _ROWS = flags.DEFINE_list("rows", ["1", "16"], "Batch sizes to decode.")
 _STEPS = flags.DEFINE_integer("steps", 8, "Decode steps after the prompt.")
+_DTYPES = flags.DEFINE_list("dtypes", ["float32", "bfloat16"], "Compute dtypes to check.")
 _PROMPT = flags.DEFINE_integer("prompt_length", 16, "Prompt tokens (the first row left-padded by 3).")
 
 # Largest difference relative to the reference's largest magnitude, per dtype.
@@ -38,8 +41,6 @@ TOLERANCE = {"float32": 1e-3, "bfloat16": 5e-2}
 
 
 def model_config(shape: str, dtype: str, layers: int = 0):
-    import dataclasses
-
     from logra_jax import model_shapes
     from logra_jax.models.config import ModelConfig, tiny
     if shape == "tiny":
@@ -109,6 +110,10 @@ def main(argv):
         raise SystemExit(f"error: --rows {','.join(_ROWS.value)}: expected batch sizes, e.g. 1,16")
     if any(r < 1 for r in rows) or _STEPS.value < 1 or _PROMPT.value < 2 or _LAYERS.value < 0:
         raise SystemExit("error: --rows and --steps must be ≥ 1, --prompt_length ≥ 2 and --layers ≥ 0")
+    unknown = sorted(set(_DTYPES.value) - set(TOLERANCE))
+    if unknown or not _DTYPES.value:
+        raise SystemExit(f"error: --dtypes {','.join(_DTYPES.value)}: expected some of "
+                         f"{', '.join(TOLERANCE)}")
     try:
         model_config(_SHAPE.value, "float32")
     except ValueError as e:
@@ -116,7 +121,8 @@ def main(argv):
     backend = jax.default_backend()
     kernels = "Triton" if backend == "gpu" else "Pallas' interpreter"
     failed = []
-    for dtype, tolerance in TOLERANCE.items():
+    for dtype in _DTYPES.value:
+        tolerance = TOLERANCE[dtype]
         config = model_config(_SHAPE.value, dtype, _LAYERS.value)
         for batch in rows:
             found = compare(config, batch, _STEPS.value, _PROMPT.value)

@@ -53,7 +53,7 @@ def test_gpu_check_on_cpu_writes_its_tables_and_an_update_that_does_not_fit(tmp_
     assert [w["width"] for w in result["time"]["widths"]] == [128]
     assert {r["decode_weights"] for r in result["sampler"]["rows"]} == {"stacked", "per_layer"}
     kernels = result["kernels"]["rows"]   # through Pallas' interpreter here
-    assert {r["dtype"] for r in kernels} == {"float32", "bfloat16"} and all(r["ok"] for r in kernels)
+    assert [r["rows"] for r in kernels] == [2] and all(r["ok"] for r in kernels)
     assert all(r["logits_rel_diff"] <= r["tolerance"] for r in kernels), kernels
     rl = result["rl"]
     assert rl["steps"] == 2 and rl["steady"]["step_seconds"] > 0
