@@ -16,6 +16,12 @@ block a power of two long, a width that is not one (1,536) read in masked blocks
 
 On any other platform the same kernels run through Pallas' interpreter (the tests check them on
 a CPU that way); the sampler uses them only on a GPU.
+
+Not measured on a GPU yet (`make gpu-check` compares them with the layers' ops on its device
+first). The attention runs one program per row and query head, each reading its group's cache
+block by block: at batch 1 that is 12 programs for Qwen2.5-1.5B, so over a long cache a split of
+the slots across programs (flash-decoding, one more kernel to combine them) may be faster; the
+bytes model of `launch.cost` does not see how many programs share the bandwidth.
 """
 
 from __future__ import annotations
