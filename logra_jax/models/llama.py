@@ -427,17 +427,6 @@ class Block(nnx.Module):
             self.pre_feedforward_layernorm = _norm(c.hidden_size, c)
             self.post_feedforward_layernorm = _norm(c.hidden_size, c)
 
-    def _project_as_one(self, x, probes):
-        """([x·W_q, x·W_k, x·W_v] side by side, the biases [b_q, b_k, b_v] still to add or None).
-        With q, k and v's kernels held as one (`fuse_qkv_kernels`) and no probes, that one
-        product, its bias left to the attention kernel: XLA:GPU added it in a kernel of its own.
-        Otherwise the three projections, concatenated."""
-        fused = self.q_proj.kernel.get_metadata().get(QKV_IN_Q_PROJ)
-        if fused and not any(probes.get(name) is not None for name in ("q_proj", "k_proj", "v_proj")):
-            bias = self.q_proj.bias
-            return self.q_proj(x, with_bias=False), None if bias is None else bias[...]
-        return jnp.concatenate(self._project(x, probes), axis=-1), None
-
     def __call__(self, x, cos, sin, mask, probes: dict[str, SketchProbe], kv, write_index,
                  chunk_keys: bool = False, layer=None, kernels: bool = False):
         """``kernels``: a decode step of per-layer weights on a GPU (`decode_kernels`): each norm
