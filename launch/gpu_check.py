@@ -241,6 +241,14 @@ def _last_json_line(path: pathlib.Path):
         return None
 
 
+def _json_lines(path: pathlib.Path) -> list:
+    """The lines of ``path`` that are JSON objects (a part's other output left out); [] if none."""
+    try:
+        return [json.loads(line) for line in path.read_text().splitlines() if line.startswith("{")]
+    except (OSError, ValueError):
+        return []
+
+
 def _read_jsonl(path: pathlib.Path) -> list:
     try:
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -286,23 +294,11 @@ def collect(parts: list[Part], out: pathlib.Path) -> dict:
                 result[name] = {"target": found.get("target"), "peak": peaks, "refused": refused}
     if "time" in by_name:
         result["time"] = _read_json(out / "time.json") or {"absent": _why(by_name["time"], out)}
-    if "kernels" in by_name:
-        try:
-            lines = (out / "kernels.out").read_text().splitlines()
-            rows = [json.loads(line) for line in lines if line.startswith("{")]
-        except (OSError, ValueError):
-            rows = []
-        result["kernels"] = {"rows": rows, "status": by_name["kernels"].status}
-        if by_name["kernels"].status != "ok":
-            result["kernels"]["why"] = _why(by_name["kernels"], out)
-    if "sampler" in by_name:
-        try:
-            rows = [json.loads(line) for line in (out / "sampler.jsonl").read_text().splitlines()]
-        except (OSError, ValueError):
-            rows = []
-        result["sampler"] = {"rows": rows, "status": by_name["sampler"].status}
-        if by_name["sampler"].status != "ok":
-            result["sampler"]["why"] = _why(by_name["sampler"], out)
+    for name, rows in (("kernels", "kernels.out"), ("sampler", "sampler.jsonl")):
+        if name in by_name:   # one JSON line per measurement, kept as far as the part got
+            result[name] = {"rows": _json_lines(out / rows), "status": by_name[name].status}
+            if by_name[name].status != "ok":
+                result[name]["why"] = _why(by_name[name], out)
     if "rl" in by_name:
         result["rl"] = _read_json(out / "rl.json") or {"absent": _why(by_name["rl"], out)}
         if "absent" in result["rl"]:   # the per-phase seconds of the steps that did finish

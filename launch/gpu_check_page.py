@@ -68,6 +68,22 @@ def memory_rows(result: dict) -> list[str]:
     return rows
 
 
+def _rows_section(title: str, part: dict | None, caption, columns, cells, unfinished: str) -> list[str]:
+    """A part that writes one JSON row per measurement (`gpu_check.collect`: rows, status, why):
+    its heading, a caption drawn from the first row, a table of ``cells(row)`` under ``columns``,
+    and why not every row is there when the part did not end well."""
+    if not part:
+        return []
+    lines = [f"## {title}", ""]
+    if part["rows"]:
+        lines += [caption(part["rows"][0]), "", "| " + " | ".join(columns) + " |",
+                  "|" + "---|" * len(columns)]
+        lines += ["| " + " | ".join(str(c) for c in cells(r)) + " |" for r in part["rows"]]
+    if part["status"] != "ok":
+        lines.append(f"\n{unfinished}: {part.get('why', part['status'])}")
+    return lines + [""]
+
+
 def markdown(result: dict, when: str) -> str:
     v = result.get("versions") or {}
     lines = [f"# gpu-check, {when}", ""]
@@ -100,38 +116,27 @@ def markdown(result: dict, when: str) -> str:
                              f"{w['ms']['logra'] / w['ms']['adamw']:.3f} | "
                              f"{w['paired']['logra'][0]:.3f} | {flops:.3f} |")
             lines.append("")
-    k = result.get("kernels")
-    if k:
-        lines += ["## Decode kernels against the layers", ""]
-        if k["rows"]:
-            r0 = k["rows"][0]
-            lines += [f"{r0['shape']} ({r0['layers']} layers, random weights), {r0['steps']} decode "
-                      f"steps, {r0['device_kind']}, kernels run by {r0['kernels']}; the largest "
-                      f"difference relative to the largest magnitude of the layers' own", "",
-                      "| dtype | rows | logits | cache | tolerance | within |", "|---|---|---|---|---|---|"]
-            lines += [f"| {r['dtype']} | {r['rows']} | {r['logits_rel_diff']:.2e} | "
-                      f"{r['cache_rel_diff']:.2e} | {r['tolerance']:g} | "
-                      f"{'yes' if r['ok'] else '**no**'} |" for r in k["rows"]]
-        if k["status"] != "ok":
-            lines.append(f"\nnot every row passed or finished: {k.get('why', k['status'])}")
-        lines.append("")
-    s = result.get("sampler")
-    if s:
-        lines += ["## Sampler", ""]
-        if s["rows"]:
-            r0 = s["rows"][0]
-            lines += [f"{r0['model']}, {r0['dtype']}, {r0['prompt_length']} + "
-                      f"{r0['completion_length']} tokens per row, {r0['device_kind']}; matmul "
-                      f"{r0['matmul_flops_per_second'] / 1e9:,.1f} GFLOP/s, copy "
-                      f"{r0['copy_bytes_per_second'] / GIB:.1f} GiB/s (measured)", "",
-                      "| batch | decode | seconds | tokens/s | roofline s | achieved/roofline |",
-                      "|---|---|---|---|---|---|"]
-            lines += [f"| {r['batch']} | {r['decode_weights']} | {r['seconds']:.3f} | "
-                      f"{r['tokens_per_second']:.1f} | {r['roofline_seconds']:.3f} | "
-                      f"{r['achieved_over_roofline']:.2f} |" for r in s["rows"]]
-        if s["status"] != "ok":
-            lines.append(f"\nnot every cell finished: {s.get('why', s['status'])}")
-        lines.append("")
+    lines += _rows_section(
+        "Decode kernels against the layers", result.get("kernels"),
+        lambda r0: (f"{r0['shape']} ({r0['layers']} layers, random weights), {r0['steps']} decode "
+                    f"steps, {r0['device_kind']}, kernels run by {r0['kernels']}; the largest "
+                    f"difference relative to the largest magnitude of the layers' own"),
+        ("dtype", "rows", "logits", "cache", "tolerance", "within"),
+        lambda r: (r["dtype"], r["rows"], f"{r['logits_rel_diff']:.2e}",
+                   f"{r['cache_rel_diff']:.2e}", f"{r['tolerance']:g}",
+                   "yes" if r["ok"] else "**no**"),
+        "not every row passed or finished")
+    lines += _rows_section(
+        "Sampler", result.get("sampler"),
+        lambda r0: (f"{r0['model']}, {r0['dtype']}, {r0['prompt_length']} + "
+                    f"{r0['completion_length']} tokens per row, {r0['device_kind']}; matmul "
+                    f"{r0['matmul_flops_per_second'] / 1e9:,.1f} GFLOP/s, copy "
+                    f"{r0['copy_bytes_per_second'] / GIB:.1f} GiB/s (measured)"),
+        ("batch", "decode", "seconds", "tokens/s", "roofline s", "achieved/roofline"),
+        lambda r: (r["batch"], r["decode_weights"], f"{r['seconds']:.3f}",
+                   f"{r['tokens_per_second']:.1f}", f"{r['roofline_seconds']:.3f}",
+                   f"{r['achieved_over_roofline']:.2f}"),
+        "not every cell finished")
     rl = result.get("rl")
     if rl:
         lines += ["## Seconds per RL step", ""]
