@@ -111,7 +111,7 @@ def get_config() -> ml_collections.ConfigDict:
         micro_batch_size=8,
         failure_reward=-0.01, baseline_momentum=0.9, is_cap=2.0,   # reinforce only
         format_reward_weight=0.0,
-        decode_weights="auto",            # sampler: "per_layer" | "stacked"; auto: the faster, timed
+        decode_weights="auto",            # "per_layer" | "stacked"; auto: a rule of the platform
         rollout_micro_batch=0,            # sampler rows per pass (KV cache holds one pass); 0: all
     ))
 

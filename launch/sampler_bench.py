@@ -184,6 +184,7 @@ def main(argv):
     from logra_jax import sharding as sharding_lib
     from logra_jax.rl import build
     from logra_jax.rl.policy import Policy
+    from logra_jax.rl import decode_mode
     from logra_jax.rl.sampler import Sampler
 
     if max(meshes) > jax.device_count():
@@ -248,6 +249,19 @@ def main(argv):
                 print(f"{devices:>7} {batch:>5} {mode:>9} {seconds[mode]:>8.2f} "
                       f"{batch * _COMPLETION.value / seconds[mode]:>9.1f} {limit:>10.2f} "
                       f"{limit / seconds[mode]:>17.2f} {floor}{ratio}", flush=True)
+            if set(decode_mode.MODES) <= set(modes):
+                print(recommendation(seconds, jax.default_backend(), devices), flush=True)
+
+
+def recommendation(seconds: dict[str, float], platform: str, devices: int) -> str:
+    """One line: the decode program ``decode_weights=auto``'s rule runs here and the one these
+    timings found faster (evidence to revise the rule with; a run never times)."""
+    from logra_jax.rl import decode_mode
+    rule = decode_mode.rule(platform, devices)
+    faster = min(decode_mode.MODES, key=lambda m: seconds[m])
+    verdict = "agrees" if faster == rule else "the rule's is slower here: evidence to revise it"
+    return (f"  auto's rule on {devices} {platform} device(s): {rule}; faster here: {faster} "
+            f"({seconds['stacked'] / seconds['per_layer']:.2f}x stacked/per_layer; {verdict})")
 
 
 if __name__ == "__main__":

@@ -132,49 +132,63 @@ def test_a_dropped_cut_metrics_line_is_reported(tmp_path, capsys):
     assert path.read_text() == '{"step": 1}\n'
 
 
-def _with_new_sampler(parts):
-    """A run's ``parts`` as a new process would hold them: a Sampler that has measured nothing
-    (the compiled update and the weights are shared)."""
+def _with_new_sampler(parts, policy=None):
+    """A run's ``parts`` as a new process would hold them: a new Sampler (of ``policy``, default
+    the run's; the compiled update and the weights are shared)."""
     fresh = copy.copy(parts)
-    fresh.sampler = build.build_sampler(parts.config.rl, parts.policy, parts.tokenizer)
+    fresh.sampler = build.build_sampler(parts.config.rl, policy or parts.policy, parts.tokenizer)
     return fresh
 
 
-def test_a_resume_runs_the_decode_program_its_first_process_picked(tmp_path, shipped_tiny_parts,
-                                                                  monkeypatch):
-    """rl.decode_weights="auto" times both decode programs on a process's first rollout, and the
-    two round differently. The first process picked stacked; the resumed one, whose own timing
-    would pick per_layer (a loaded machine), runs stacked without timing, and the run ends with
-    the weights of an uninterrupted one."""
+def _assert_same_weights(a_run, b_run):
+    for (path, a), b in zip(leaves_with_paths(jax.device_get(a_run.params)),
+                            jax.tree.leaves(jax.device_get(b_run.params)), strict=True):
+        np.testing.assert_array_equal(a, b, err_msg=path)
+
+
+def test_two_fresh_runs_end_bit_identical_whichever_decode_program_is_slowed(
+        tmp_path, shipped_tiny_parts, trained_tiny_run):
+    """rl.decode_weights="auto" is a rule, not a clock: a run on a machine where the rule's decode
+    program is slowed (a timed pick took the other one there, which rounds differently) ends with
+    the weights of the session's run of the same config on a quiet one, bit for bit."""
+    from slow_decode import SLOW, SlowablePolicy
+    loaded = _with_new_sampler(shipped_tiny_parts, SlowablePolicy(shipped_tiny_parts.policy))
+    SLOW["mode"] = "per_layer"
+    try:
+        run = trainer_lib.Run(tiny_config(dict(max_steps=2)), tmp_path / "loaded", parts=loaded)
+        run.loop()
+        run.close()
+    finally:
+        SLOW["mode"] = None
+    assert loaded.sampler.last_decode_mode == "per_layer"
+    assert trained_tiny_run.parts.sampler.last_decode_mode == "per_layer"
+    _assert_same_weights(trained_tiny_run, run)
+
+
+def test_a_resume_runs_the_decode_program_its_workdir_records(tmp_path, shipped_tiny_parts,
+                                                             monkeypatch):
+    """A run records the decode program "auto" resolved to (config.json, each checkpoint), and a
+    resumed process runs that program even where its own rule would take the other (a workdir
+    written by an older version, which timed its pick, or on another platform): the two round
+    differently, and the run ends with the weights of an uninterrupted one."""
     from logra_jax.rl import decode_mode
-    picks = []
-
-    def pick(answer):
-        def chosen(seconds):
-            picks.append(answer)
-            return answer
-        return chosen
-
+    monkeypatch.setattr(decode_mode, "rule", lambda platform, devices: "stacked")
     first = _with_new_sampler(shipped_tiny_parts)
-    monkeypatch.setattr(decode_mode, "pick", pick("stacked"))
     straight = trainer_lib.Run(tiny_config(dict(max_steps=3)), tmp_path / "straight", parts=first)
     straight.loop()
     straight.close()
     stopped = trainer_lib.Run(tiny_config(dict(max_steps=2)), tmp_path / "resumed", parts=first)
     stopped.loop()
     stopped.close()
-    assert picks == ["stacked"]   # one measurement in the first process
     workdir = tmp_path / "resumed"
     assert json.loads((workdir / "config.json").read_text())["rl"]["decode_weights"] == "stacked"
     meta = json.loads((workdir / "checkpoints" / "2" / "meta" / "metadata").read_text())
     assert meta["config"]["rl.decode_weights"] == "stacked"
 
-    monkeypatch.setattr(decode_mode, "pick", pick("per_layer"))
+    monkeypatch.setattr(decode_mode, "rule", lambda platform, devices: "per_layer")
     second = _with_new_sampler(shipped_tiny_parts)
     resumed = trainer_lib.Run(tiny_config(dict(max_steps=3)), workdir, parts=second)
     resumed.loop()
     resumed.close()
-    assert picks == ["stacked"] and second.sampler.last_decode_mode == "stacked"
-    for (path, a), b in zip(leaves_with_paths(jax.device_get(straight.params)),
-                            jax.tree.leaves(jax.device_get(resumed.params)), strict=True):
-        np.testing.assert_array_equal(a, b, err_msg=path)
+    assert second.sampler.last_decode_mode == "stacked"
+    _assert_same_weights(straight, resumed)

@@ -351,6 +351,12 @@ def test_sampler_bench_compares_decode_modes_side_by_side():
     assert abs(float(rows[1][-1]) - first / second) <= slack, rows
     # One device: the decode step's products alone, and the best ratio they leave (≤ the limit).
     assert all(float(row[7]) > 0 and 0 < float(row[8]) for row in rows)
+    # With both programs timed, the line saying which auto's rule runs here and which was faster.
+    (advice,) = [line for line in done.stdout.splitlines() if "auto's rule" in line]
+    assert "on 1 cpu device(s): per_layer; faster here: " in advice, advice
+    ratio = float(rows[1][-1])   # stacked's seconds over per_layer's, to 3 digits
+    if ratio != 1.0:
+        assert f"faster here: {'stacked' if ratio < 1 else 'per_layer'} " in advice, advice
     bad = subprocess.run([sys.executable, "-m", "launch.sampler_bench", "--config", "configs/tiny.py",
                           "--decode_weights", "unrolled"], cwd=root, capture_output=True, text=True,
                          timeout=600)

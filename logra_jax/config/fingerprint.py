@@ -23,7 +23,8 @@ RESUMABLE_CHANGES = ("max_steps", "log.", "checkpoint.every", "checkpoint.keep",
 
 # The decode program a run's sampler resolved ``rl.decode_weights="auto"`` to ("stacked" or
 # "per_layer"): recorded in config.json and each checkpoint's fingerprint under this key, so that
-# a resumed process runs that program instead of timing both again.
+# a resumed process runs that program (a workdir written on another platform, or by an older
+# version that timed its pick).
 DECODE_KEY = "rl.decode_weights"
 
 

@@ -308,8 +308,8 @@ def lower_generate(config: ml_collections.ConfigDict, mesh: Mesh, *, rows: int |
     (default: a step's, prompts_per_step × num_generations), with the prompt window plus the
     completion length of cache and bf16 weights (LoRA's adapters included) laid out as the
     trainer lays them out; no arrays. ``decode_weights`` as `Sampler`'s, default
-    ``rl.decode_weights``: nothing runs here, so "auto" plans stacked and logs that it did not
-    measure (`decode_mode.UNMEASURED`)."""
+    ``rl.decode_weights``: "auto" lowers the program `decode_mode.rule` picks for ``mesh``'s
+    platform and devices, the one a run there executes."""
     if decode_weights:
         config = config.copy_and_resolve_references()
         config.rl.decode_weights = decode_weights

@@ -19,8 +19,6 @@ number of chips.
 from __future__ import annotations
 
 import dataclasses
-import math
-import time
 from typing import Sequence
 
 import jax
@@ -251,18 +249,15 @@ class Sampler:
         way, then the weights and the cache are split into one array per layer, once per call,
         and each decode step runs the layers one after the other on those arrays. Both update
         the KV cache in place, one slot per layer and token. XLA's CPU backend copies a scanned
-        layer's weights out of the stack before every dot, and XLA:GPU's matmuls do too
-        (`decode_mode.unmeasured` says why), so a stacked decode step moves each weight more
-        than once there (XLA:CPU: per_layer 1.3× faster at batch 16 on SmolLM2,
-        docs/results/sampler.md); the price of per_layer is a second copy of the layer weights
-        while sampling, and a longer compile. "auto" (``rl.decode_weights``' default): the
-        faster of the two where it runs, measured on the first call of each input signature
-        (both programs, a few decode steps on that call's own inputs; `decode_mode`), kept for
-        later calls, and logged in one line. Where nothing runs (``_generate.lower``: a plan
-        compiled for another machine; a call traced inside another jit) "auto" takes
-        `decode_mode.unmeasured`'s pick, logged as not measured: per_layer on one GPU, stacked
-        elsewhere. The default here is "per_layer", the faster on XLA:CPU at batches 1–64 and
-        on one H200 at batch 1: a bare Sampler (tests, tools) compiles the one program its
+        layer's weights out of the stack before every dot, and XLA:GPU's matmuls do too on one
+        GPU, so a stacked decode step moves each weight more than once there (XLA:CPU: per_layer
+        1.3× faster at batch 16 on SmolLM2, docs/results/sampler.md); the price of per_layer is
+        a second copy of the layer weights while sampling, and a longer compile. "auto"
+        (``rl.decode_weights``' default): `decode_mode.rule` of the platform and device count
+        the call runs on (per_layer on XLA:CPU and on one GPU, stacked on a TPU and on weights
+        split over several GPUs), logged once; never a clock, so a run and its repeat run the
+        same program. A plan lowered for another machine takes the rule of that machine. The
+        default here is "per_layer": a bare Sampler (tests, tools) compiles the one program its
         caller asked for.
       rows_per_pass: 0 (default) generates the whole batch in one pass. n > 0 generates it n rows at
         a time, one pass after the other inside the same program, so the KV cache and the decode's
@@ -293,8 +288,8 @@ class Sampler:
         self.decode_weights = decode_weights
         # True / False for a fixed mode; None for "auto", decided per input signature:
         self.per_layer_decode = None if decode_weights == "auto" else decode_weights == "per_layer"
-        self.measured: dict[tuple, tuple[str, dict[str, float]]] = {}   # signature → (mode, seconds)
-        self.preset: str | None = None             # "auto" decided without measuring
+        self.preset: str | None = None             # "auto" held to a resumed run's recorded mode
+        self._logged: set[tuple[str, int]] = set()  # (platform, devices) whose rule was logged
         self.last_decode_mode: str | None = None   # the mode the latest call ran
         self.policy = policy
         self.max_prompt_length = max_prompt_length
@@ -322,83 +317,34 @@ class Sampler:
                 jnp.float32(temperature))
         static = dict(top_k=int(top_k), top_p=float(top_p), greedy=bool(greedy),
                       mesh=self.mesh_of(params, prompt_tokens))
-        self.last_decode_mode = self._decode_mode(args, static)
+        self.last_decode_mode = self._decode_mode(jax.tree.leaves(args), static["mesh"])
         per_layer = self.last_decode_mode == "per_layer"
         return self._generate(*args, jnp.int32(self.max_completion_length), per_layer=per_layer,
                               **static)
 
     def preset_decode_mode(self, mode: str) -> None:
-        """"auto" runs ``mode`` from now on, without measuring: a resumed run keeps the program its
-        first process measured (the two round differently, so a new pick would change the run)."""
+        """"auto" runs ``mode`` from now on: a resumed run keeps the program its workdir records
+        (one written by an older version, whose pick was timed, or on another platform; the two
+        programs round differently, so another program would change the run's numbers)."""
         if mode not in decode_mode.MODES:
             raise ValueError(f"decode mode must be one of {decode_mode.MODES}, got {mode!r}")
         self.preset = mode
 
-    def _decode_mode(self, args, static) -> str:
-        """"stacked" or "per_layer" for a call of ``args``: the fixed mode, else the one measured
-        faster for this signature (shapes, dtypes, placements), measured on its first call."""
-        if self.per_layer_decode is None and self.preset is not None:
-            return self.preset
-        leaves = jax.tree.leaves(args)
-        if self.per_layer_decode is not None or any(isinstance(x, jax.core.Tracer) for x in leaves):
-            return self._unmeasured(leaves, "a call traced inside another jit: nothing to time",
-                                    static["mesh"])
-        signature = tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves)
-        if signature not in self.measured:
-            self.measured[signature] = self._measure(args, static)
-        return self.measured[signature][0]
-
-    def _measure(self, args, static) -> tuple[str, dict[str, float]]:
-        """Times both decode programs on ``args`` (`decode_mode.estimate`; each compiled by a
-        first call, not timed) and returns (the faster, the estimated seconds of each). A mode
-        that does not fit the device's memory counts as infinitely slow. Every process of a
-        multi-process run takes process 0's pick: they must all run the same program."""
-        too_big = {}
-
-        def call(mode, limit):
-            jax.block_until_ready(self._generate(*args, jnp.int32(limit),
-                                                 per_layer=mode == "per_layer", **static))
-
-        def time_call(mode, limit):
-            if mode in too_big:
-                return math.inf
-            tic = time.perf_counter()
-            call(mode, limit)
-            return time.perf_counter() - tic
-
-        for mode in decode_mode.MODES:
-            try:
-                call(mode, 1)
-            except jax.errors.JaxRuntimeError as e:   # XLA refused it, or could not allocate it
-                if "RESOURCE_EXHAUSTED" not in str(e) or len(too_big) == len(decode_mode.MODES) - 1:
-                    raise
-                too_big[mode] = e
-        # A GPU decodes whole chunks: a longer call shorter than one would time passes it discards.
-        steps = DECODE_CHUNK if _platform(jax.tree.leaves(args)) == "gpu" else decode_mode.DECODE_STEPS
-        seconds = decode_mode.estimate(time_call, self.max_completion_length, steps)
-        mode = decode_mode.pick(seconds)
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-            index = multihost_utils.broadcast_one_to_all(np.int32(decode_mode.MODES.index(mode)))
-            mode = decode_mode.MODES[int(index)]
-        if jax.process_index() == 0:
-            rows, prompt = args[1].shape
-            logging.info(decode_mode.describe(
-                mode, seconds, f"{rows} rows × ({prompt} + {self.max_completion_length}) tokens "
-                f"on {_platform(jax.tree.leaves(args))}"))
-        return mode, seconds
-
-    def _unmeasured(self, leaves, why: str, mesh=None) -> str:
-        """The fixed mode; for "auto" `decode_mode.unmeasured` on the platform and devices the
-        call traces for (``mesh``, else where ``leaves`` are placed), logged with ``why``."""
+    def _decode_mode(self, leaves, mesh=None) -> str:
+        """"stacked" or "per_layer" for a call of ``leaves`` traced under ``mesh``: the fixed
+        mode; for "auto" a preset one, else `decode_mode.rule` on the platform and devices the
+        call traces for (``mesh``, else where ``leaves`` are placed), logged once per rule."""
         if self.per_layer_decode is not None:
             return "per_layer" if self.per_layer_decode else "stacked"
+        if self.preset is not None:
+            return self.preset
         platform = mesh.abstract_device.platform if mesh is not None else _platform(leaves)
-        mode = decode_mode.unmeasured(platform, mesh.size if mesh is not None else 1)
-        if mode != decode_mode.UNMEASURED:
-            why = (why.split("; a run")[0] + "; XLA:GPU's stacked step on one GPU copies every "
-                   "layer's weights out of the stack, a run measures both")
-        logging.info("decode_weights=auto: %s on %s, not measured (%s)", mode, platform, why)
+        devices = mesh.size if mesh is not None else max(
+            [len(x.sharding.device_set) for x in leaves if getattr(x, "sharding", None)] or [1])
+        mode = decode_mode.rule(platform, devices)
+        if (platform, devices) not in self._logged:
+            self._logged.add((platform, devices))
+            logging.info(decode_mode.describe(mode, platform, devices))
         return mode
 
     @staticmethod
@@ -424,16 +370,12 @@ class Sampler:
                        per_layer: bool | None = None) -> SampleOutput:
         """The whole batch, traced with the params' ``mesh`` in context (``shard_batch``).
 
-        ``limit``: draw at most this many tokens (an int32 scalar: the decode-mode measurement
-        runs the call's own program for a few steps); None: max_completion_length. ``per_layer``:
-        the decode mode; None (a program lowered without `generate`): the fixed mode, or for
-        "auto" `decode_mode.UNMEASURED`."""
+        ``limit``: draw at most this many tokens (an int32 scalar); None: max_completion_length.
+        ``per_layer``: the decode mode; None (a program lowered without `generate`, a plan): the
+        fixed mode, or for "auto" `decode_mode.rule` of the machine it is lowered for."""
         if per_layer is None:
-            per_layer = self._unmeasured(jax.tree.leaves((params, prompt_tokens, prompt_mask)),
-                                         "lowered without running: a compile-only plan; a run "
-                                         "measures both and may pick per_layer, which holds a "
-                                         "second copy of the layer weights while sampling",
-                                         mesh) == "per_layer"
+            per_layer = self._decode_mode(jax.tree.leaves((params, prompt_tokens, prompt_mask)),
+                                          mesh) == "per_layer"
         # One GPU decodes with q, k and v's kernels held as one (`llama.fuse_qkv_kernels`); split
         # over several devices they would be re-split for the concatenation.
         platform = mesh.abstract_device.platform if mesh is not None else _platform(

@@ -100,10 +100,10 @@ class Run:
     A run that ends before its first step (refused, failed, or stopped by a signal) leaves the
     workdir as it found it: the entries it created are removed, and so is a workdir it created.
 
-    ``rl.decode_weights="auto"`` becomes the decode program the sampler picks by timing both on the
-    first rollout; the run records that pick (config.json, each checkpoint's fingerprint) and a
-    resumed process runs it again instead of timing: the two programs round differently, so a
-    pick that changed with the machine's load would change the run's numbers."""
+    ``rl.decode_weights="auto"`` becomes the decode program `decode_mode.rule` picks for the
+    platform; the run records it (config.json, each checkpoint's fingerprint) and a resumed
+    process runs the recorded one (a workdir written on another platform, or by an older version
+    that timed its pick): the two programs round differently."""
 
     def __init__(self, config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,
                  parts: RunParts | None = None, fresh: bool = False):
