@@ -16,12 +16,21 @@ Failures are bounded by two timeouts of JAX's coordination service, both in the 
 - ``heartbeat_timeout``: a process that dies (or hangs) stops sending heartbeats; after this time the
   service stops every other process with ``The following tasks are unhealthy (stopped sending
   heartbeats)``. A collective that waits for the dead process waits at most this long.
+
+Before a run writes anything, its processes `agree` on what must be the same everywhere (the
+config, the workdir's real path, the checkpoints there; after the restore the step and the data
+position): each publishes its values in the coordination service's key-value store and reads the
+others', polling, so SIGTERM and SIGINT still stop a process that waits. A difference ends every
+process with one line naming the key and the processes; a process that never publishes ends the
+others after ``initialization_timeout``, naming what they waited for.
 """
 
 from __future__ import annotations
 
+import json
 import socket
 import time
+from typing import Any
 
 import jax
 import ml_collections
@@ -140,3 +149,69 @@ def barrier(name: str) -> None:
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
         multihost_utils.sync_global_devices(name)
+
+
+POLL_SECONDS = 0.2   # between reads of the key-value store: signals are handled in between
+
+
+def agree(what: str, facts: dict[str, Any], timeout: float) -> None:
+    """Every process of the run must hold the same ``facts`` ({name: JSON-able value}); ``what``
+    names the point of the run they are compared at (unique per point). One process: nothing.
+
+    Raises ValueError naming each fact that differs, its value on each process, when they do not
+    agree, and when a process has not published its own within ``timeout`` seconds (it failed
+    before this point, or is stuck). A dict fact is compared key by key (a config's dotted
+    keys), and the keys that differ are named."""
+    if jax.process_count() == 1:
+        return
+    from jax._src import distributed as jax_distributed
+    client = jax_distributed.global_state.client
+    me, count = jax.process_index(), jax.process_count()
+    key = f"logra/agree/{what}/"
+    client.key_value_set(key + str(me), json.dumps(facts, sort_keys=True, default=str))
+    deadline = time.monotonic() + timeout
+    published: dict[int, dict] = {}
+    while len(published) < count:
+        for p in range(count):
+            if p not in published:
+                text = _try_get(client, key + str(p))
+                if text is not None:
+                    published[p] = json.loads(text)
+        if len(published) < count:
+            if time.monotonic() > deadline:
+                missing = ", ".join(str(p) for p in range(count) if p not in published)
+                raise ValueError(f"process(es) {missing} of {count} did not reach {what} within "
+                                 f"{timeout:.0f} s (distributed.initialization_timeout): each "
+                                 f"process's own output says why it stopped or where it waits")
+            time.sleep(POLL_SECONDS)
+    differences = []
+    for name in facts:
+        values = {p: published[p].get(name) for p in range(count)}
+        if isinstance(facts[name], dict):
+            keys = sorted(set().union(*(v or {} for v in values.values())))
+            for k in keys:
+                at = {p: (values[p] or {}).get(k, "<absent>") for p in range(count)}
+                if len({json.dumps(v, sort_keys=True) for v in at.values()}) > 1:
+                    differences.append(_difference(k, at))
+        elif len({json.dumps(v, sort_keys=True) for v in values.values()}) > 1:
+            differences.append(_difference(name, values))
+    if differences:
+        raise ValueError(f"the {count} processes of this run disagree at {what}: "
+                         f"{'; '.join(differences)}; every process must be started with the same "
+                         f"config and --workdir (a folder all of them reach by one real path)")
+
+
+def _try_get(client, key: str) -> str | None:
+    """``key``'s value in the store, or None while no process has set it (key_value_try_get
+    raises NOT_FOUND for a missing key)."""
+    try:
+        return client.key_value_try_get(key)
+    except Exception as e:  # noqa: BLE001  jaxlib raises its own runtime error for NOT_FOUND
+        if "NOT_FOUND" in str(e) or "not found" in str(e).lower():
+            return None
+        raise
+
+
+def _difference(name: str, values: dict[int, Any]) -> str:
+    shown = ", ".join(f"{json.dumps(v, default=str)} on process {p}" for p, v in values.items())
+    return f"{name} is {shown}"

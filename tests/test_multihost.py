@@ -270,6 +270,71 @@ def test_a_process_that_dies_stops_the_others_within_the_heartbeat_timeout(tmp_p
     assert waited < heartbeat + 60, waited
 
 
+def _two_processes(tmp_path, args: list[list[str]], **config) -> list[subprocess.Popen]:
+    """Two `launch.train` processes of one runtime, started by hand (the launcher gives both the
+    same arguments), process i with ``args[i]``; output in tmp_path/process_i.log."""
+    with __import__("socket").socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for i in range(2):
+        with open(tmp_path / f"process_{i}.log", "w") as log:
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "launch.train", *TINY, *args[i],
+                 f"--config.distributed.coordinator_address=127.0.0.1:{port}",
+                 "--config.distributed.num_processes=2", f"--config.distributed.process_id={i}",
+                 *_flags(config)],
+                cwd=ROOT, env=_env(LOGRA_HOST_DEVICES="4"), stdout=log, stderr=subprocess.STDOUT))
+    return procs
+
+
+def _wait_all(procs, timeout: float) -> list[int]:
+    try:
+        return [p.wait(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def test_processes_given_different_configs_or_workdirs_stop_before_writing_and_say_which(tmp_path):
+    """Process 1 with another learning rate and another --workdir: both processes stop before
+    anything is written, each with one line naming the keys that differ and the processes (a run
+    trained on the mixture, or hung in its first checkpoint for minutes)."""
+    workdirs = [tmp_path / "w0", tmp_path / "w1"]
+    procs = _two_processes(tmp_path, [["--workdir", str(workdirs[0])],
+                                      ["--workdir", str(workdirs[1]),
+                                       "--config.optimizer.logra.learning_rate=0.01"]])
+    assert _wait_all(procs, timeout=240) == [1, 1]
+    for i in range(2):
+        last = (tmp_path / f"process_{i}.log").read_text().strip().splitlines()[-1]
+        assert last.startswith("error: the 2 processes of this run disagree at the start of the "
+                               "run: "), last
+        own = json.dumps(tiny_config().optimizer.logra.learning_rate)
+        assert f"optimizer.logra.learning_rate is {own} on process 0, 0.01 on process 1" in last, last
+        assert f'workdir is "{workdirs[0]}" on process 0, "{workdirs[1]}" on process 1' in last, last
+    assert not any(w.exists() for w in workdirs)   # each created its workdir and took it back
+
+
+def test_a_process_left_waiting_for_its_peer_stops_naming_what_it_waited_for(tmp_path):
+    """Process 1 fails before the run's start (its --workdir is a file); process 0 waits for it
+    there at most distributed.initialization_timeout, then stops with one line naming the
+    point and the process, and takes back the workdir it created."""
+    blocked = tmp_path / "a_file"
+    blocked.write_text("")
+    procs = _two_processes(tmp_path, [["--workdir", str(tmp_path / "w")],
+                                      ["--workdir", str(blocked)]],
+                           distributed=dict(initialization_timeout=20))
+    statuses = _wait_all(procs, timeout=240)
+    log = (tmp_path / "process_0.log").read_text()
+    assert statuses == [1, 1], log[-3000:]
+    assert log.strip().splitlines()[-1] == (
+        "error: process(es) 1 of 2 did not reach the start of the run within 20 s "
+        "(distributed.initialization_timeout): each process's own output says why it stopped or "
+        "where it waits"), log[-3000:]
+    assert not (tmp_path / "w").exists()
+
+
 def test_the_local_cluster_stops_the_others_when_one_process_fails(tmp_path):
     script = ("import sys, time\n"
               "pid = int([a.split('=')[1] for a in sys.argv if 'process_id' in a][0])\n"

@@ -87,6 +87,13 @@ def _loop_meta(meta: dict, where: pathlib.Path) -> tuple[int, float, Any]:
     return meta["step"], meta["baseline"], meta["data"]
 
 
+def _shared_config(config: ml_collections.ConfigDict) -> dict:
+    """The config every process of a run must share: all of it but the process's own id."""
+    flat = config_lib.flatten(config_lib.as_json(config))
+    flat.pop("distributed.process_id", None)
+    return flat
+
+
 class Run:
     """One training run in a workdir: everything built (errors in the config surface here), then
     `loop()` trains to ``max_steps``, resuming from the latest complete checkpoint; `close()` ends
@@ -125,6 +132,10 @@ class Run:
         self._created_root = workdir_lib.missing_root(workdir)
         self.workdir = workdir_lib.prepare(workdir)
         try:
+            # Every process the same config and workdir, before anything is written there.
+            self._agree("the start of the run", config=_shared_config(config),
+                        workdir=str(self.workdir.resolve()),
+                        checkpoints=workdir_lib.checkpoint_steps(self.workdir))
             if distributed.is_primary():   # one lock per run, not per process
                 self._lock = workdir_lib.WorkdirLock(self.workdir)
                 self._lock.acquire()
@@ -143,6 +154,11 @@ class Run:
         except BaseException:
             self.close()
             raise
+
+    def _agree(self, what: str, **facts) -> None:
+        """Every process of a multi-process run holds the same ``facts``, or each stops with one
+        line naming the difference (`distributed.agree`)."""
+        distributed.agree(what, facts, self.config.distributed.initialization_timeout)
 
     def _open_history(self, fresh: bool) -> None:
         """Refuses a run that cannot continue the workdir's history; ``fresh`` checks instead that
@@ -249,6 +265,7 @@ class Run:
         finishes the step in progress, saves a checkpoint and raises `Preempted`."""
         config, t = self.config, self.parts
         params, opt_state, step, baseline = self._start()
+        self._agree("the first step", step=step, data=self.data.state())
         self.summary = None
         if step >= config.max_steps:
             logging.warning("max_steps=%d is already reached: %s holds step %d; nothing to train "
@@ -378,12 +395,14 @@ class Run:
         if getattr(self, "ckpt", None) is not None:
             self.ckpt.close()
             self.ckpt = None
-        unused = not self._trained and not self._restored and distributed.is_primary()
-        if unused and self._present is not None:
+        unused = not self._trained and not self._restored
+        if unused and distributed.is_primary() and self._present is not None:
             workdir_lib.remove_unused(self.workdir, self._present)
         if self._lock is not None:
             self._lock.release()
             self._lock = None
+        # Every process takes back the folders it created while they are empty (a process given
+        # another --workdir created its own).
         if unused and getattr(self, "workdir", None) is not None:
             workdir_lib.remove_created(self.workdir, self._created_root)
 

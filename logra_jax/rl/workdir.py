@@ -177,6 +177,14 @@ class WorkdirLock:
             self._file = None
 
 
+def checkpoint_steps(workdir: pathlib.Path) -> list[int]:
+    """The steps of the checkpoint folders in ``workdir`` (their names), finished or not."""
+    folder = workdir / CHECKPOINTS
+    if not folder.is_dir():
+        return []
+    return sorted(int(entry.name) for entry in folder.iterdir() if entry.name.isdigit())
+
+
 class History:
     """What earlier runs left in a workdir: the config they started with (None when absent) and
     the steps recorded in metrics.jsonl. Reading it changes nothing; a file it cannot read is a
