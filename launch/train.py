@@ -54,6 +54,7 @@ def run(config, workdir: str, *, fresh: bool = False, verbose: bool = False) -> 
     from logra_jax.rl import stopping, workdir as workdir_lib
 
     def fail(e: BaseException):
+        _announce_exit(f"error: {e}")
         if verbose:
             raise e
         sys.exit(f"error: {e}")
@@ -99,8 +100,16 @@ def run(config, workdir: str, *, fresh: bool = False, verbose: bool = False) -> 
 
 def stopped_before_training(e) -> None:
     """The one line of a run stopped by a signal before its first step, and the signal's status."""
+    _announce_exit(f"stopped: {e}")
     print(f"stopped: {e}; nothing was trained", file=sys.stderr)
     sys.exit(128 + e.signum)
+
+
+def _announce_exit(line: str) -> None:
+    """The other processes of a multi-process run learn why this one ends (they may be waiting
+    for it before the first step: `distributed.agree`)."""
+    if "logra_jax.distributed" in sys.modules:   # jax is imported and the runtime may be joined
+        sys.modules["logra_jax.distributed"].announce_exit(line)
 
 
 def main(argv):

@@ -152,6 +152,7 @@ def barrier(name: str) -> None:
 
 
 POLL_SECONDS = 0.2   # between reads of the key-value store: signals are handled in between
+EXIT_KEY = "logra/exit/"   # + process index: why that process ended before training
 
 
 def agree(what: str, facts: dict[str, Any], timeout: float) -> None:
@@ -172,6 +173,10 @@ def agree(what: str, facts: dict[str, Any], timeout: float) -> None:
     deadline = time.monotonic() + timeout
     published: dict[int, dict] = {}
     while len(published) < count:
+        for p in range(count):
+            ended = _try_get(client, f"{EXIT_KEY}{p}") if p != me else None
+            if ended is not None:
+                raise ValueError(f"process {p} of {count} stopped before {what}: {ended}")
         for p in range(count):
             if p not in published:
                 text = _try_get(client, key + str(p))
@@ -199,6 +204,21 @@ def agree(what: str, facts: dict[str, Any], timeout: float) -> None:
         raise ValueError(f"the {count} processes of this run disagree at {what}: "
                          f"{'; '.join(differences)}; every process must be started with the same "
                          f"config and --workdir (a folder all of them reach by one real path)")
+
+
+def announce_exit(reason: str) -> None:
+    """Tells the other processes that this one is ending with ``reason`` (its one error or
+    stopped line), so that one waiting for it in `agree` stops at once, naming it, instead of
+    waiting out the timeout (and this process's exit, which waits for every process at JAX's
+    shutdown barrier, ends with theirs). Nothing for one process, or before the runtime joined."""
+    from jax._src import distributed as jax_distributed
+    client = jax_distributed.global_state.client
+    if client is None or jax.process_count() == 1:
+        return
+    try:
+        client.key_value_set(f"{EXIT_KEY}{jax.process_index()}", reason)
+    except Exception as e:  # noqa: BLE001  the coordinator may be gone already: the exit goes on
+        logging.warning("could not tell the other processes that this one stops: %s", e)
 
 
 def _try_get(client, key: str) -> str | None:

@@ -317,21 +317,19 @@ def test_processes_given_different_configs_or_workdirs_stop_before_writing_and_s
 
 
 def test_a_process_left_waiting_for_its_peer_stops_naming_what_it_waited_for(tmp_path):
-    """Process 1 fails before the run's start (its --workdir is a file); process 0 waits for it
-    there at most distributed.initialization_timeout, then stops with one line naming the
-    point and the process, and takes back the workdir it created."""
+    """Process 1 fails before the run's start (its --workdir is a file): process 0, waiting for
+    it there, stops at once with one line naming the point and process 1's own error line, and
+    takes back the workdir it created."""
     blocked = tmp_path / "a_file"
     blocked.write_text("")
     procs = _two_processes(tmp_path, [["--workdir", str(tmp_path / "w")],
-                                      ["--workdir", str(blocked)]],
-                           distributed=dict(initialization_timeout=20))
+                                      ["--workdir", str(blocked)]])
     statuses = _wait_all(procs, timeout=240)
     log = (tmp_path / "process_0.log").read_text()
     assert statuses == [1, 1], log[-3000:]
     assert log.strip().splitlines()[-1] == (
-        "error: process(es) 1 of 2 did not reach the start of the run within 20 s "
-        "(distributed.initialization_timeout): each process's own output says why it stopped or "
-        "where it waits"), log[-3000:]
+        f"error: process 1 of 2 stopped before the start of the run: error: workdir {blocked} is "
+        f"a file, not a folder; pass a folder for metrics and checkpoints"), log[-3000:]
     assert not (tmp_path / "w").exists()
 
 
