@@ -73,7 +73,7 @@ import dataclasses
 import math
 import re
 
-from logra_jax.perf import hlo_module, matmul_count
+from logra_jax.perf import hlo_module, machines, matmul_count
 
 # XLA:GPU's sort tiles use this much shared memory and threads per block on every GPU of
 # perf/gpu_specs/ (a100_sxm_80, h100_sxm, h200, b200: shared_memory_per_block 49152,
@@ -662,20 +662,10 @@ def decode_step(program: Program | str, *, vocab_size: int, hidden_size: int,
 # ----------------------------------------------------------------------------------------------
 # Speed from the counts
 # ----------------------------------------------------------------------------------------------
-# What one kernel of a decode step costs on a GPU when the step is launch-bound, from the one
-# measurement there is: on one H200 (docs/results/gpu.md, jax 0.11.2 with its CUDA 13 plugin),
-# `launch.sampler_bench` decoded SmolLM2-135M's shape (random bf16 weights, 64 + 128 tokens,
-# batch 1) at 713.4 tokens/s stacked and 1,335.2 per_layer. XLA:GPU's program of that run,
-# compiled deviceless here from the code that ran (the sampler before its token loop was chunked,
-# jax 0.10.2) and read by this module, launches 725 and 417 kernels per token, while its bytes per token (0.73 and 0.28 GB) take 153 and 58 µs
-# at the H200's 4.8 TB/s: the steps were launch-bound, at 1/(713.4 × 725) = 1.93 µs and
-# 1/(1335.2 × 417) = 1.80 µs per kernel. Their mean is the constant. It holds everything a step
-# spends per kernel on that machine: the launch, the kernel's own minimum time, the loop's host
-# sync spread over the step's kernels, the prefill spread over the 128 tokens. A program whose
-# kernels run inside command buffers (CUDA graphs) without a host sync may launch faster.
-CALIBRATION = {"device": "NVIDIA H200", "model": "SmolLM2-135M shape, bf16, batch 1, 64 + 128 tokens",
-               "measured_tokens_per_s": {"stacked": 713.4, "per_layer": 1335.2},
-               "kernels_per_token": {"stacked": 725, "per_layer": 417}}
+# What one kernel costs where a decode step is launch-bound: the one measurement there is, on one
+# H200, is data beside the machine table with its evidence (machines.KERNEL_CALIBRATIONS); the
+# seconds per kernel are the mean over the two programs that ran of 1 / (tokens/s × kernels/token).
+CALIBRATION = machines.KERNEL_CALIBRATIONS["H200"]
 SECONDS_PER_KERNEL = sum(1 / (CALIBRATION["measured_tokens_per_s"][mode] * kernels)
                          for mode, kernels in CALIBRATION["kernels_per_token"].items()) / 2
 
