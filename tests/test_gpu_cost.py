@@ -276,6 +276,19 @@ def test_seconds_per_kernel_come_from_the_measured_programs_kernel_counts():
     assert 1.7e-6 < gpu_cost.SECONDS_PER_KERNEL < 2.0e-6
 
 
+def test_the_kernel_calibration_is_the_run_its_evidence_page_records():
+    """The calibration is data copied from a results page (machines.KERNEL_CALIBRATIONS): the
+    page it names holds its command, its date and each measured tokens/s, so neither changes
+    without the other."""
+    calibration = machines.KERNEL_CALIBRATIONS["H200"]
+    assert gpu_cost.CALIBRATION is calibration
+    page = (REPO / calibration["evidence"]).read_text()
+    assert calibration["command"] in page
+    assert calibration["date"] in page
+    for tokens_per_s in calibration["measured_tokens_per_s"].values():
+        assert f"{tokens_per_s:,} tokens/s" in page, tokens_per_s
+
+
 # ----------------------------------------------------------------------------------------------
 # launch.cost, and the issue's bounds at a small layer count
 # ----------------------------------------------------------------------------------------------

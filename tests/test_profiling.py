@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from logra_jax.perf import profiling
+from logra_jax.perf import hlo_module, profiling
 from process_env import without_device_count
 
 
@@ -16,11 +16,11 @@ def _end(name, ts):
     return {"ph": "X", "name": f"end: {name}", "ts": ts, "dur": 0.1, "args": {}}
 
 
-INSTRUCTIONS = {
-    "dot.1": profiling.Instruction("dot", "jit(f)/dot_general", True),
-    "fusion.2": profiling.Instruction("fusion", "jit(f)/optimizer/logra_merge/mul", False),
-    "add.3": profiling.Instruction("add", "jit(f)/add", False),
-    "while.4": profiling.Instruction("while", "jit(f)/while", False),
+CATEGORIES = {   # a merge inside the optimizer's scope counts as the merge; a loop as nothing
+    "dot.1": profiling.category("dot", "jit(f)/dot_general", multiplies=True),
+    "fusion.2": profiling.category("fusion", "jit(f)/optimizer/logra_merge/mul", multiplies=False),
+    "add.3": profiling.category("add", "jit(f)/add", multiplies=False),
+    "while.4": profiling.category("while", "jit(f)/while", multiplies=False),
 }
 
 
@@ -29,7 +29,7 @@ def test_overlapping_operations_share_the_wall_clock():
     # add 7–8 ms; the while around all of it is a container and counts nothing itself.
     events = [_op("while.4", 0, 8000), _op("dot.1", 0, 4000), _op("fusion.2", 2000, 4000),
               _op("add.3", 7000, 1000)]
-    got = profiling.attribute(events, INSTRUCTIONS)
+    got = profiling.attribute(events, CATEGORIES)
     assert got == pytest.approx({profiling.MATMULS: 3.0, "merge W += U·A": 3.0,
                                  profiling.IDLE: 1.0, profiling.OTHER: 1.0})
     assert sum(got.values()) == pytest.approx(8.0)
@@ -40,7 +40,7 @@ def test_an_asynchronous_operation_runs_until_its_end_mark():
     # each run ends at the first mark after it.
     events = [_op("dot.1", 0, 500), _end("dot.1", 5000), _op("add.3", 5000, 1000),
               _op("dot.1", 6000, 500), _end("dot.1", 9000)]
-    got = profiling.attribute(events, INSTRUCTIONS)
+    got = profiling.attribute(events, CATEGORIES)
     assert got == pytest.approx({profiling.MATMULS: 8.0, profiling.OTHER: 1.0})
 
 
@@ -54,8 +54,7 @@ def test_a_real_program_is_split_by_named_scope():
 
     x = jnp.ones((256, 256), jnp.float32)
     compiled = jax.jit(f).lower(x, x, 8).compile()
-    instructions = profiling.parse_hlo(compiled.as_text())
-    categories = {profiling.category(i) for i in instructions.values()}
+    categories = set(profiling.categories(hlo_module.parse(compiled.as_text())).values())
     assert {"sketch products x·Aᵀ, Hᵀ(x·Aᵀ)", "A regenerated (random bits)", profiling.MATMULS,
             profiling.OTHER} <= categories
 
@@ -94,16 +93,18 @@ ENTRY %main (x: f32[4,4], init: (s32[], u32[4,4])) -> f32[4,4] {
 """
 
 
-def test_parse_hlo_reads_opcodes_dots_and_inherited_scopes():
-    instructions = profiling.parse_hlo(HLO)
-    assert instructions["ynn_fusion"] == profiling.Instruction("fusion", "jit(f)/dot_general", True)
-    assert profiling.category(instructions["ynn_fusion"]) == profiling.MATMULS
-    assert profiling.category(instructions["while.3"]) is None            # a container
+def test_categories_read_dots_in_fusions_and_inherited_scopes():
+    module = hlo_module.parse(HLO)
+    categories, op_names = profiling.categories(module), profiling.op_names(module)
+    assert profiling.multiplies(module, module.instruction("main", "ynn_fusion"))   # a dot inside
+    assert op_names["ynn_fusion"] == "jit(f)/dot_general"
+    assert categories["ynn_fusion"] == profiling.MATMULS
+    assert categories["while.3"] is None            # a container
     # The copy in the loop body has no op_name: it takes the loop's, and the loop's scope.
-    assert instructions["copy.7"].op_name == "jit(f)/logra_projection/while"
-    assert profiling.category(instructions["copy.7"]) == "A regenerated (random bits)"
-    assert profiling.category(instructions["gte.0"]) == "A regenerated (random bits)"
-    assert profiling.category(instructions["x"]) == profiling.OTHER
+    assert op_names["copy.7"] == "jit(f)/logra_projection/while"
+    assert categories["copy.7"] == "A regenerated (random bits)"
+    assert categories["gte.0"] == "A regenerated (random bits)"
+    assert categories["x"] == profiling.OTHER
 
 
 def test_step_time_profile_prints_both_optimizers_split():

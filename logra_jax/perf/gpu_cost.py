@@ -73,7 +73,7 @@ import dataclasses
 import math
 import re
 
-from logra_jax.perf import hlo_module, matmul_count
+from logra_jax.perf import hlo_module, machines, matmul_count
 
 # XLA:GPU's sort tiles use this much shared memory and threads per block on every GPU of
 # perf/gpu_specs/ (a100_sxm_80, h100_sxm, h200, b200: shared_memory_per_block 49152,
@@ -89,11 +89,9 @@ _COLLECTIVES = frozenset({
     "all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all",
     "collective-permute", "collective-broadcast", "send", "recv"})
 _SLICING = frozenset({"dynamic-slice", "slice", "gather"})
-_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"([0-9]+)"\}')
 _FUSION_KIND = re.compile(r"\bkind=(k[A-Za-z]+)")
 _BACKEND_KIND = re.compile(r'"fusion_backend_config":\{"kind":"([^"]+)"')
 _CUSTOM_FUSION = re.compile(r'"custom_fusion_config":\{"name":"([^"]+)"')
-_TARGET = re.compile(r'custom_call_target="([^"]+)"')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,6 +182,9 @@ class Program:
     def __init__(self, text: str):
         self.text = text
         self.module = hlo_module.parse(text)
+        # computation → the while loops that run it (as body or condition)
+        self._loops_running = {computation: [i for i in callers if i.opcode == "while"]
+                               for computation, callers in self.module.callers().items()}
         self._costs: dict[str, Cost] = {}
         self._reads: dict[tuple[str, str], float] = {}
 
@@ -210,7 +211,7 @@ class Program:
                 called = dict((kind, callee) for kind, callee in instruction.called())
                 if instruction.opcode == "while":
                     loop = Loop(instruction.name, computation, called["body"], called["condition"],
-                                _trip_count(instruction), parents)
+                                instruction.trip_count, parents)
                     found.append(loop)
                     visit(loop.condition, parents + (loop.name,), seen)
                     visit(loop.body, parents + (loop.name,), seen)
@@ -267,13 +268,6 @@ class Program:
         """The entry parameter whose buffer ``name`` (an instruction of ``computation``) holds, if
         any: followed through bitcasts, copies, tuples, get-tuple-elements and the values loops
         carry into their bodies and out of them."""
-        if not hasattr(self, "_callers"):
-            self._callers: dict[str, list[hlo_module.Instruction]] = {}
-            for comp in self.module.computations.values():
-                for instruction in comp.instructions.values():
-                    if instruction.opcode == "while":
-                        for _, callee in instruction.called():
-                            self._callers.setdefault(callee, []).append(instruction)
         seen = set()
         index: list[int] = []   # tuple indices still to take, innermost last
         while (computation, name, tuple(index)) not in seen:
@@ -292,7 +286,7 @@ class Program:
             elif op == "parameter":
                 if self.module.computations[computation].is_entry:
                     return name if not index else None
-                callers = self._callers.get(computation, [])
+                callers = self._loops_running.get(computation, [])
                 if len(callers) != 1:
                     return None
                 computation, name = callers[0].computation, callers[0].operands[0]
@@ -315,7 +309,7 @@ class Program:
         key = f"{instruction.computation}/{instruction.name}"
         if op == "while":
             called = dict(instruction.called())
-            trips = _trip_count(instruction)
+            trips = instruction.trip_count
             if trips is not None:
                 return self.cost(called["body"]).scaled(trips)
             check = self.cost(called["condition"]) + Cost(host_syncs=1.0)
@@ -344,8 +338,7 @@ class Program:
         if op == "copy":
             return Cost({key: (Launch("memcpy", read, instruction.bytes, where, whole), 1.0)})
         if op == "custom-call":
-            target = _TARGET.search(instruction.attributes)
-            kind, written = _library_call(target.group(1) if target else "?", instruction)
+            kind, written = _library_call(instruction.target or "?", instruction)
             return Cost({key: (Launch(kind, read, written, where, whole), 1.0)})
         if collective:   # an async start's result holds its operands too (and small contexts)
             written = max(instruction.bytes - read, 0.0) if instruction.is_tuple else instruction.bytes
@@ -471,11 +464,6 @@ class Program:
         return readers == {sort.name}
 
 
-def _trip_count(instruction: hlo_module.Instruction) -> int | None:
-    match = _TRIP_COUNT.search(instruction.attributes)
-    return int(match.group(1)) if match else None
-
-
 def _roots(body: hlo_module.Computation) -> list[hlo_module.Instruction]:
     root = body.instructions[body.root]
     if root.opcode == "tuple":
@@ -585,9 +573,11 @@ class ProgramCost:
 
 def count(text: str) -> ProgramCost:
     """Kernels, bytes, host syncs and matmul FLOPs of an XLA:GPU program's optimized HLO text."""
-    cost = Program(text).cost()
+    program = Program(text)
+    cost = program.cost()
     return ProgramCost(kernels=cost.kernels, kernels_by_kind=cost.kernels_by_kind(), bytes=cost.bytes,
-                       host_syncs=cost.host_syncs, matmul_flops=matmul_count.count(text).flops,
+                       host_syncs=cost.host_syncs,
+                       matmul_flops=matmul_count.count_module(program.module).flops,
                        dynamic_loops=cost.dynamic_loops)
 
 
@@ -672,20 +662,10 @@ def decode_step(program: Program | str, *, vocab_size: int, hidden_size: int,
 # ----------------------------------------------------------------------------------------------
 # Speed from the counts
 # ----------------------------------------------------------------------------------------------
-# What one kernel of a decode step costs on a GPU when the step is launch-bound, from the one
-# measurement there is: on one H200 (docs/results/gpu.md, jax 0.11.2 with its CUDA 13 plugin),
-# `launch.sampler_bench` decoded SmolLM2-135M's shape (random bf16 weights, 64 + 128 tokens,
-# batch 1) at 713.4 tokens/s stacked and 1,335.2 per_layer. XLA:GPU's program of that run,
-# compiled deviceless here from the code that ran (the sampler before its token loop was chunked,
-# jax 0.10.2) and read by this module, launches 725 and 417 kernels per token, while its bytes per token (0.73 and 0.28 GB) take 153 and 58 µs
-# at the H200's 4.8 TB/s: the steps were launch-bound, at 1/(713.4 × 725) = 1.93 µs and
-# 1/(1335.2 × 417) = 1.80 µs per kernel. Their mean is the constant. It holds everything a step
-# spends per kernel on that machine: the launch, the kernel's own minimum time, the loop's host
-# sync spread over the step's kernels, the prefill spread over the 128 tokens. A program whose
-# kernels run inside command buffers (CUDA graphs) without a host sync may launch faster.
-CALIBRATION = {"device": "NVIDIA H200", "model": "SmolLM2-135M shape, bf16, batch 1, 64 + 128 tokens",
-               "measured_tokens_per_s": {"stacked": 713.4, "per_layer": 1335.2},
-               "kernels_per_token": {"stacked": 725, "per_layer": 417}}
+# What one kernel costs where a decode step is launch-bound: the one measurement there is, on one
+# H200, is data beside the machine table with its evidence (machines.KERNEL_CALIBRATIONS); the
+# seconds per kernel are the mean over the two programs that ran of 1 / (tokens/s × kernels/token).
+CALIBRATION = machines.KERNEL_CALIBRATIONS["H200"]
 SECONDS_PER_KERNEL = sum(1 / (CALIBRATION["measured_tokens_per_s"][mode] * kernels)
                          for mode, kernels in CALIBRATION["kernels_per_token"].items()) / 2
 

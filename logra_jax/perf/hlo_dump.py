@@ -2,9 +2,8 @@
 
 A dump (``xla_dump_to``, as `memory.update_step_memory(..., dump_dir=...)` makes one) holds, per
 module, the optimized program (``<stem>.txt``) and its buffer assignment (XLA's allocations and
-which bytes of which allocation each value occupies). `peak_breakdown` joins the two. hlo_text.py
-holds the line shapes of the program text that the profilers share; these are the dump's other
-files.
+which bytes of which allocation each value occupies). `peak_breakdown` joins the two: the program
+is read by hlo_module.py, the one reader of HLO text; the buffer assignment's lines are read here.
 """
 
 from __future__ import annotations
@@ -12,10 +11,11 @@ from __future__ import annotations
 import pathlib
 import re
 
+from logra_jax.perf import hlo_module
+
 _ALLOCATION_LINE = re.compile(r"^allocation \d+: size (?P<size>\d+), (?P<kind>.*)$")
 _VALUE_LINE = re.compile(r"^\s*value: <\d+ (?P<name>[^\s{]+)(?P<index>\{[\d,]*\})?(?: \(\w+\))? @\d+> "
                          r"\(size=(?P<size>\d+),offset=(?P<offset>\d+)\): (?P<shape>\S+)")
-_OP_NAME = re.compile(r'^\s*(?:ROOT )?%(?P<name>\S+) = .*?metadata=\{op_name="(?P<op>(?:[^"\\]|\\.)*)"', re.M)
 UNASSIGNED = "unassigned (between values of different lifetimes)"
 
 
@@ -82,7 +82,9 @@ def peak_breakdown(dump_dir: str | pathlib.Path, module: str = "_step_impl") -> 
         raise FileNotFoundError(f"no XLA buffer assignment for {module!r} in {dump_dir} (compile "
                                 f"with memory.update_step_memory(..., dump_dir=...))")
     stem = found[-1].name.removesuffix("-buffer-assignment.txt")
-    ops = {m["name"]: _op_label(m["op"]) for m in _OP_NAME.finditer((dump_dir / f"{stem}.txt").read_text())}
+    program = hlo_module.parse((dump_dir / f"{stem}.txt").read_text())
+    ops = {name: _op_label(instruction.op_name)
+           for name, instruction in program.instructions().items() if instruction.op_name}
     sizes: dict[str, int] = {}
     total = 0
     for size, values in _allocations(found[-1].read_text()):

@@ -200,6 +200,40 @@ _GPU_NODES = [
     _gpu_node("b200", "b200.txtpb", bf16_flops=2.25e15, bandwidth=8e12),
 ]
 
+# What one kernel of a decode step costs on a GPU where the step is launch-bound, measured (the
+# only such measurement there is; gpu_cost.py's SECONDS_PER_KERNEL is the mean over its programs of
+# 1 / (tokens/s × kernels per token)). On one H200 (docs/results/gpu.md), `launch.sampler_bench`
+# decoded SmolLM2-135M's shape (random bf16 weights, 64 + 128 tokens, batch 1) at 713.4 tokens/s
+# stacked and 1,335.2 per_layer. XLA:GPU's program of that run, compiled deviceless from the code
+# that ran (the sampler of main at 2259830, before its token loop was chunked; jax 0.10.2) and read
+# by perf/gpu_cost.py, launches 725 and 417 kernels per token, while its bytes per token (0.73 and
+# 0.28 GB) take 153 and 58 µs at the H200's 4.8 TB/s: the steps were launch-bound, at
+# 1/(713.4 × 725) = 1.93 µs and 1/(1335.2 × 417) = 1.80 µs per kernel. That holds everything a
+# step spent per kernel on that machine: the launch, the kernel's own minimum time, the loop's
+# host sync (one per token then) spread over the step's kernels, the prefill spread over the 128
+# tokens. A program whose kernels run inside command buffers (CUDA graphs) without a host sync
+# may launch faster. tests/test_gpu_cost.py checks that today's sampler launches no more kernels
+# at that shape than the program that ran.
+KERNEL_CALIBRATIONS = {
+    "H200": {
+        "device": "NVIDIA H200", "date": "2026-12-04",
+        "software": "jax 0.11.2 with its CUDA 13 plugin, flax 0.12.10",
+        "evidence": "docs/results/gpu.md",   # its table's sampler row
+        "command": ("python -m launch.sampler_bench --dtype bfloat16 --meshes 1 --batches 1,16,64 "
+                    "--decode_weights stacked,per_layer --repeats 3 --prompt_length 64 "
+                    "--completion_length 128 --config.model.source=tiny "
+                    "--config.model.tiny.hidden_size=576 --config.model.tiny.num_layers=30 "
+                    "--config.model.tiny.num_heads=9 --config.model.tiny.num_kv_heads=3 "
+                    "--config.model.tiny.head_dim=64 --config.model.tiny.intermediate_size=1536 "
+                    "--config.model.tiny.max_position_embeddings=2048"),
+        "program": ("the sampler of main at 2259830 (a token loop synced every token), compiled "
+                    "deviceless by XLA:GPU (jax 0.10.2) and counted by perf/gpu_cost.py"),
+        "model": "SmolLM2-135M shape, bf16, batch 1, 64 + 128 tokens",
+        "measured_tokens_per_s": {"stacked": 713.4, "per_layer": 1335.2},
+        "kernels_per_token": {"stacked": 725, "per_layer": 417},
+    },
+}
+
 # Published figures per TPU chip: HBM, peak dense bf16 FLOP/s, HBM bandwidth, and the JAX devices
 # a chip shows. HBM sold as "16 GB" (v5e) and "32 GB" (v6e) is 16 and 32 GiB: the compiler's
 # budget on a v5e chip reads 15.75G of it (GiB), the rest its own.

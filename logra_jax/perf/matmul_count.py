@@ -28,35 +28,21 @@ import dataclasses
 import math
 import re
 
-from logra_jax.perf import hlo_text
+from logra_jax.perf import hlo_module
 
-_ARRAY = re.compile(r"^\(?[a-z0-9]+\[([0-9,]*)\]")   # an array type, or a tuple's first one
-# The first operand of a dot or a library GEMM, printed with or without its type.
-_OPERAND = r"\(\s*(?:[a-z0-9]+\[[0-9,]*\](?:\{[^}]*\})?\s+)?%?([^\s,)]+)"
-_DOT = re.compile(r"\bdot" + _OPERAND)
-_GEMM = re.compile(r"\bcustom-call" + _OPERAND + r".*custom_call_target=\"__cublas\$(?:gemm|lt\$matmul)")
 _LHS_CONTRACTING = re.compile(r'lhs_contracting_(?:dims=\{([0-9,]*)\}|dimensions":\[([0-9",\s]*)\])')
-_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"([0-9]+)"\}')
-_CONVOLUTION = re.compile(r"\bconvolution\(\s*(?:[a-z0-9]+\[[0-9,]*\](?:\{[^}]*\})?\s+)?%?([^\s,)]+),"
-                          r"\s*(?:[a-z0-9]+\[[0-9,]*\](?:\{[^}]*\})?\s+)?%?([^\s,)]+)\)")
 _DIM_LABELS = re.compile(r"dim_labels=([0-9a-z]+)_([0-9a-z]+)->([0-9a-z]+)")
 _WINDOW = re.compile(r"window=\{([^}]*)\}")
 _GROUPS = re.compile(r"(feature|batch)_group_count=([0-9]+)")
-_S32_CONSTANT = re.compile(r"^s32\[\]\S*\s+constant\((-?[0-9]+)\)")
-_LESS_THAN = re.compile(r"\bcompare\(.*?%?([^\s,()]+)\)\s*,\s*direction=LT")
+_DIRECTION_LT = re.compile(r"\bdirection=LT\b")
+# A GPU backend's library GEMMs, by their custom call's target.
+_GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul")
 
 
 @dataclasses.dataclass(frozen=True)
 class MatmulCount:
     flops: float        # multiply-adds × 2, loops counted as they run
     unknown_loops: int  # while loops without a known trip count (each counted once)
-
-
-def _dims(shape_text: str) -> tuple[int, ...] | None:
-    match = _ARRAY.match(shape_text)
-    if match is None:
-        return None
-    return tuple(int(d) for d in match.group(1).split(",") if d)
 
 
 def _window_positions(out: int, size: int, inp: int, stride: int = 1, pad_low: int = 0,
@@ -77,15 +63,15 @@ def _window_positions(out: int, size: int, inp: int, stride: int = 1, pad_low: i
     return pairs
 
 
-def _convolution_flops(rest: str, result: tuple[int, ...], lhs: tuple[int, ...],
+def _convolution_flops(attributes: str, result: tuple[int, ...], lhs: tuple[int, ...],
                        rhs: tuple[int, ...]) -> float:
-    labels = _DIM_LABELS.search(rest)
+    labels = _DIM_LABELS.search(attributes)
     if labels is None:
-        raise ValueError(f"a convolution without dim_labels: {rest[:200]}")
+        raise ValueError(f"a convolution without dim_labels: {attributes[:200]}")
     lhs_labels, rhs_labels, out_labels = labels.groups()
-    groups = {kind: int(n) for kind, n in _GROUPS.findall(rest)}
+    groups = {kind: int(n) for kind, n in _GROUPS.findall(attributes)}
     window = {}
-    match = _WINDOW.search(rest)
+    match = _WINDOW.search(attributes)
     for item in (match.group(1).split() if match else []):
         key, _, value = item.partition("=")
         window[key] = value.split("x")
@@ -100,65 +86,77 @@ def _convolution_flops(rest: str, result: tuple[int, ...], lhs: tuple[int, ...],
     return 2.0 * macs
 
 
+def _product_flops(instruction: hlo_module.Instruction,
+                   computation: hlo_module.Computation) -> float | None:
+    """2 × the multiply-adds of a dot, a library GEMM or a convolution; None for anything else."""
+    if not instruction.shape:
+        return None
+    result = instruction.shape[0].dims   # a GEMM's tuple result: the product, then its workspace
+
+    def dims(operand: str) -> tuple[int, ...] | None:
+        found = computation.instructions.get(operand)
+        return found.shape[0].dims if found is not None and found.shape else None
+    if instruction.opcode == "convolution":
+        lhs, rhs = (dims(operand) for operand in instruction.operands[:2])
+        if lhs is None or rhs is None:
+            raise ValueError(f"cannot size the convolution %{instruction.name}: its operands are "
+                             f"not in the HLO text")
+        return _convolution_flops(instruction.attributes, result, lhs, rhs)
+    if instruction.opcode == "dot" or (instruction.opcode == "custom-call"
+                                       and (instruction.target or "").startswith(_GEMM_TARGETS)):
+        operand = instruction.operands[0]
+        lhs = dims(operand)
+        contracting = _LHS_CONTRACTING.search(instruction.attributes)
+        if lhs is None or contracting is None:
+            raise ValueError(f"cannot size the product %{instruction.name}: operand %{operand} or "
+                             f"its contracting dims are not in the HLO text")
+        axes = (contracting.group(1) or contracting.group(2) or "").replace('"', "")
+        depth = math.prod(lhs[int(d)] for d in axes.split(",") if d.strip())
+        return 2.0 * math.prod(result) * depth
+    return None
+
+
+def _loop_bound(condition: hlo_module.Computation) -> int | None:
+    """N of a loop condition whose root is ``counter < N``, N an s32 constant of the condition
+    (how the TPU compiler leaves a scan's count); None for any other condition."""
+    root = condition.instructions.get(condition.root)
+    if root is None or root.opcode != "compare" or not _DIRECTION_LT.search(root.attributes):
+        return None
+    bound = condition.instructions.get(root.operands[-1])
+    if (bound is not None and bound.opcode == "constant" and bound.literal is not None
+            and [(a.dtype, a.dims) for a in bound.shape] == [("s32", ())]):
+        return bound.literal
+    return None
+
+
 def count(text: str) -> MatmulCount:
     """The matmul operations of an optimized HLO module's text (``compiled.as_text()``)."""
-    shapes: dict[str, dict[str, tuple[int, ...]]] = {}   # computation → instruction → dims
-    dots: dict[str, list[float]] = {}                     # computation → flops of each dot
+    return count_module(hlo_module.parse(text))
+
+
+def count_module(module: hlo_module.Module) -> MatmulCount:
+    """`count` of a module hlo_module.parse has read."""
+    dots: dict[str, list[float]] = {}                     # computation → flops of each product
     calls: dict[str, list[tuple[str, int | str]]] = {}    # computation → [(callee, times)]:
     # times is a number, or the name of the loop's condition, whose bound `bounds` will hold.
-    constants: dict[str, dict[str, int]] = {}             # computation → s32 constants
     bounds: dict[str, int] = {}                           # condition → N of its "counter < N"
-    entry, computation = None, None
-    for line in text.splitlines():
-        header = hlo_text.COMPUTATION.match(line)
-        if header is not None and line.rstrip().endswith("{"):
-            computation = header.group(1)
-            if line.lstrip().startswith("ENTRY"):
-                entry = computation
-            shapes[computation], dots[computation], calls[computation] = {}, [], []
-            constants[computation] = {}
-            continue
-        instruction = hlo_text.INSTRUCTION.match(line)
-        if instruction is None or computation is None:
-            continue
-        name, rest = instruction.groups()
-        dims = _dims(rest)
-        if dims is not None:
-            shapes[computation][name] = dims
-        constant = _S32_CONSTANT.match(rest)
-        if constant is not None:
-            constants[computation][name] = int(constant.group(1))
-        less = _LESS_THAN.search(rest) if line.lstrip().startswith("ROOT") else None
-        if less is not None and less.group(1) in constants[computation]:
-            bounds[computation] = constants[computation][less.group(1)]
-        conv = _CONVOLUTION.search(rest)
-        if conv is not None and dims is not None:
-            lhs, rhs = (shapes[computation].get(operand) for operand in conv.groups())
-            if lhs is None or rhs is None:
-                raise ValueError(f"cannot size the convolution %{name}: its operands are not in "
-                                 f"the HLO text")
-            dots[computation].append(_convolution_flops(rest, dims, lhs, rhs))
-        dot = _DOT.search(rest) or _GEMM.search(rest)
-        if dot is not None and dims is not None:
-            lhs = shapes[computation].get(dot.group(1))
-            contracting = _LHS_CONTRACTING.search(rest)
-            if lhs is None or contracting is None:
-                raise ValueError(f"cannot size the product %{name}: operand %{dot.group(1)} or "
-                                 f"its contracting dims are not in the HLO text")
-            axes = (contracting.group(1) or contracting.group(2) or "").replace('"', "")
-            depth = math.prod(lhs[int(d)] for d in axes.split(",") if d.strip())
-            dots[computation].append(2.0 * math.prod(dims) * depth)
-        trip = _TRIP_COUNT.search(rest)
-        called = dict((kind, callee) for kind, callee in hlo_text.CALLED.findall(rest))
-        for kind, callee in hlo_text.CALLED.findall(rest):
-            times: int | str = 1
-            if kind == "body":
-                times = int(trip.group(1)) if trip else called.get("condition", "")
-            calls[computation].append((callee, times))
-        for branches in hlo_text.BRANCHES.findall(rest):
-            calls[computation] += [(b.strip().lstrip("%"), 1) for b in branches.split(",") if b.strip()]
-    if entry is None:
-        raise ValueError("no ENTRY computation in the HLO text")
+    for name, computation in module.computations.items():
+        dots[name], calls[name] = [], []
+        bound = _loop_bound(computation)
+        if bound is not None:
+            bounds[name] = bound
+        for instruction in computation.instructions.values():
+            flops = _product_flops(instruction, computation)
+            if flops is not None:
+                dots[name].append(flops)
+            called = instruction.called()
+            condition = dict(called).get("condition", "")
+            for kind, callee in called:
+                times: int | str = 1
+                if kind == "body":
+                    trips = instruction.trip_count
+                    times = trips if trips is not None else condition
+                calls[name].append((callee, times))
 
     trips = lambda times: times if isinstance(times, int) else bounds.get(times, 1)
     unknown = sum(1 for callees in calls.values() for _, times in callees
@@ -170,7 +168,7 @@ def count(text: str) -> MatmulCount:
             memo[name] = sum(dots.get(name, ())) + sum(
                 trips(times) * total(callee) for callee, times in calls.get(name, ()))
         return memo[name]
-    return MatmulCount(total(entry), unknown)
+    return MatmulCount(total(module.entry), unknown)
 
 
 def of_compiled(compiled) -> MatmulCount:

@@ -33,7 +33,7 @@ import time
 
 import jax
 
-from logra_jax.perf import hlo_text
+from logra_jax.perf import hlo_module
 
 # (named scope, category): the code marks what is LoGRA's own work with these scopes. Checked in
 # order: a merge inside the optimizer's scope counts as the merge.
@@ -46,87 +46,70 @@ SCOPES: tuple[tuple[str, str], ...] = (
 )
 MATMULS, OTHER, IDLE = "matmuls (model)", "other ops (model)", "between operations"
 _CONTAINERS = frozenset({"while", "conditional", "call"})
-
-_OPCODE = re.compile(r"\b([a-z][a-z0-9\-]*)\(")
-_OP_NAME = re.compile(r'op_name="([^"]*)"')
-_CALLS = re.compile(r"calls=%([^\s,}]+)")
+_MULTIPLY = frozenset({"dot", "convolution"})
 
 
-@dataclasses.dataclass(frozen=True)
-class Instruction:
-    opcode: str
-    op_name: str
-    multiplies: bool  # a dot or convolution, or a fusion around one
-
-
-def parse_hlo(text: str) -> dict[str, Instruction]:
-    """Every instruction of an HLO module's text (``compiled.as_text()``), by name.
+def op_names(module: hlo_module.Module) -> dict[str, str]:
+    """instruction → the ``op_name`` it runs under, for every instruction of ``module``.
 
     An instruction without ``op_name`` (a copy XLA inserted, e.g. of a loop's carried state)
-    takes the ``op_name`` of the instruction that runs its computation (the loop), so the copies
-    inside a named scope's loop count for that scope."""
-    raw: dict[str, tuple[str, str, str | None, str | None]] = {}
-    has_dot: dict[str, bool] = collections.defaultdict(bool)
-    caller: dict[str, str] = {}   # computation → the instruction that calls it
-    computation = None
-    for line in text.splitlines():
-        instruction = hlo_text.INSTRUCTION.match(line)
-        if instruction is None:
-            header = hlo_text.COMPUTATION.match(line)
-            if header is not None and line.rstrip().endswith("{"):
-                computation = header.group(1)
-            continue
-        name, rest = instruction.groups()
-        opcode = _OPCODE.search(rest)
-        opcode = opcode.group(1) if opcode else "?"
-        op_name = _OP_NAME.search(rest)
-        calls = _CALLS.search(rest)
-        called = [callee for _, callee in hlo_text.CALLED.findall(rest)]
-        for branches in hlo_text.BRANCHES.findall(rest):
-            called += [b.strip().lstrip("%") for b in branches.split(",")]
-        for computation_name in called:
-            caller.setdefault(computation_name, name)
-        raw[name] = (opcode, op_name.group(1) if op_name else "", calls.group(1) if calls else None,
-                     computation)
-        if computation is not None and opcode in ("dot", "convolution"):
-            has_dot[computation] = True
+    takes the ``op_name`` of the instruction that runs its computation (the loop; the first in
+    the text when several do), so the copies inside a named scope's loop count for that scope."""
+    instructions = module.instructions()
+    caller = {computation: callers[0] for computation, callers in module.callers().items()}
 
-    def inherited_op_name(name: str) -> str:
+    def inherited(instruction: hlo_module.Instruction) -> str:
         seen = set()
-        while name in raw and not raw[name][1] and name not in seen:
-            seen.add(name)
-            name = caller.get(raw[name][3], "")
-        return raw[name][1] if name in raw else ""
-
-    return {name: Instruction(opcode, op_name or inherited_op_name(name),
-                              opcode in ("dot", "convolution")
-                              or (opcode == "fusion" and calls is not None and has_dot[calls]))
-            for name, (opcode, op_name, calls, _) in raw.items()}
+        while not instruction.op_name and instruction.name not in seen:
+            seen.add(instruction.name)
+            if instruction.computation not in caller:
+                return ""
+            instruction = caller[instruction.computation]
+        return instruction.op_name
+    return {name: inherited(instruction) for name, instruction in instructions.items()}
 
 
-def category(instruction: Instruction | None) -> str | None:
+def multiplies(module: hlo_module.Module, instruction: hlo_module.Instruction) -> bool:
+    """A dot or convolution, or a fusion whose computation holds one."""
+    if instruction.opcode in _MULTIPLY:
+        return True
+    if instruction.opcode != "fusion":
+        return False
+    fused = next((module.computations.get(callee) for kind, callee in instruction.called()
+                  if kind == "calls"), None)
+    return fused is not None and any(i.opcode in _MULTIPLY for i in fused.instructions.values())
+
+
+def category(opcode: str, op_name: str, multiplies: bool) -> str | None:
     """The category of one operation; None for a container, whose body's events count instead."""
-    if instruction is None:
-        return OTHER
-    if instruction.opcode in _CONTAINERS:
+    if opcode in _CONTAINERS:
         return None
     for scope, name in SCOPES:
-        if re.search(rf"(^|/){re.escape(scope)}(/|$)", instruction.op_name):
+        if re.search(rf"(^|/){re.escape(scope)}(/|$)", op_name):
             return name
-    return MATMULS if instruction.multiplies else OTHER
+    return MATMULS if multiplies else OTHER
 
 
-def attribute(events: list[dict], instructions: dict[str, Instruction],
+def categories(module: hlo_module.Module) -> dict[str, str | None]:
+    """instruction → its `category`, for every instruction of ``module``."""
+    names = op_names(module)
+    return {name: category(instruction.opcode, names[name], multiplies(module, instruction))
+            for name, instruction in module.instructions().items()}
+
+
+def attribute(events: list[dict], categories: dict[str, str | None],
               by_instruction: bool = False) -> dict[str, float]:
     """Milliseconds of wall time per category over the span of ``events`` (see module docstring).
 
     ``events``: the trace's complete events (``ph == "X"``) of one program's operations, each
-    with ``ts`` and ``dur`` in microseconds and ``args.hlo_op``. ``by_instruction``: per HLO
-    instruction instead of per category (containers still left out).
+    with ``ts`` and ``dur`` in microseconds and ``args.hlo_op``; ``categories``: each HLO
+    instruction's (`categories`), an operation the program text does not name counting as
+    "other". ``by_instruction``: per HLO instruction instead of per category (containers still
+    left out).
     """
     edges = []
     for op, start, end in _spans(events):
-        name = category(instructions.get(op))
+        name = categories.get(op, OTHER)
         if by_instruction and name is not None:
             name = op
         if name is not None and end > start:
@@ -185,8 +168,7 @@ def profile_call(compiled, args, *, log_dir: str | None = None,
     ``compiled``: a ``jax.stages.Compiled`` (``jit(f).lower(*args).compile()``), whose HLO text
     names the operations. Run it once before, so the traced call is not a first call.
     """
-    instructions = parse_hlo(compiled.as_text())
-    module = compiled.as_text().split("\n", 1)[0].split()[1].rstrip(",")
+    module = hlo_module.parse(compiled.as_text())
     with tempfile.TemporaryDirectory() as tmp:
         log_dir = log_dir or tmp
         with jax.profiler.trace(log_dir, create_perfetto_trace=True):
@@ -200,5 +182,5 @@ def profile_call(compiled, args, *, log_dir: str | None = None,
             events = json.load(f)["traceEvents"]
     ops = [e for e in events if e.get("ph") == "X" and (
         e.get("name", "").startswith("end: ")
-        or e.get("args", {}).get("hlo_op") and e["args"].get("hlo_module", module) == module)]
-    return Profile(wall_ms=wall_ms, categories=attribute(ops, instructions, by_instruction)), out
+        or e.get("args", {}).get("hlo_op") and e["args"].get("hlo_module", module.name) == module.name)]
+    return Profile(wall_ms=wall_ms, categories=attribute(ops, categories(module), by_instruction)), out
