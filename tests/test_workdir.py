@@ -135,12 +135,15 @@ def test_an_empty_workdir_is_refused(tmp_path, no_model, monkeypatch):
     ("checkpoints", lambda p: p.write_text("notes")),
     ("metrics.jsonl", lambda p: p.mkdir()),
     ("config.json", lambda p: p.mkdir()),
+    # A device: a resume read /dev/full as metrics without end, until memory ran out.
+    ("metrics.jsonl", lambda p: p.symlink_to("/dev/full")),
+    ("config.json", lambda p: os.mkfifo(p)),
 ])
 def test_an_entry_of_the_wrong_kind_is_refused(entry, make, tmp_path, no_model):
     make(tmp_path / entry)
     before = _files(tmp_path)
     line = _refusal(tiny_config(), tmp_path)
-    assert f"{tmp_path / entry} is a " in line and "move it out of the workdir" in line, line
+    assert f"{tmp_path / entry} is " in line and "move it out of the workdir" in line, line
     assert _files(tmp_path) == before
 
 

@@ -120,6 +120,12 @@ def prepare(workdir: str | os.PathLike) -> pathlib.Path:
         if entry.exists() and entry.is_dir() != (kind == "folder"):
             raise ValueError(f"{entry} is a {'folder' if entry.is_dir() else 'file'}, but a run "
                              f"keeps its {name} there as a {kind}; move it out of the workdir")
+        if kind == "file" and entry.exists() and not entry.is_file():
+            # A device, a pipe or a socket (or a link to one): reading /dev/zero or /dev/full as
+            # metrics never ends, and writing to one keeps nothing.
+            target = f" (a link to {os.readlink(entry)})" if entry.is_symlink() else ""
+            raise ValueError(f"{entry} is not a regular file{target}, but a run keeps its {name} "
+                             f"there as one; move it out of the workdir")
     return path
 
 
