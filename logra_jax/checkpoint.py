@@ -151,9 +151,12 @@ class Checkpointer:
             return step, state, meta
         if failures:
             step, reason = failures[0]
+            which = ("it is the only one" if len(failures) == 1 else
+                     f"checkpoints {', '.join(str(s) for s, _ in failures[1:])} fail too")
             raise ValueError(f"no checkpoint in {self.directory} can be restored (newest: step "
-                             f"{step}: {reason}); if the config changed since they were written, "
-                             f"resume with the original config or use a new workdir")
+                             f"{step}: {reason}; {which}): where a file is damaged, pass --fresh "
+                             f"to set this run aside and start over; where the config changed "
+                             f"since they were written, resume with the original config")
         return None
 
     def _torn_metadata(self, step: int) -> str | None:

@@ -53,3 +53,17 @@ def map_with_paths(fn, tree, *rest):
     """tree_map(fn(path, leaf, *rest_leaves)), ``tree_path_leaf`` objects and None as leaves."""
     return jax.tree_util.tree_map_with_path(lambda kp, x, *r: fn(path_str(kp), x, *r), tree, *rest,
                                             is_leaf=_is_path_leaf)
+
+
+def nonfinite_leaves(tree) -> list[str]:
+    """The paths of the floating-point leaves of ``tree`` that hold a NaN or an infinity. One
+    jitted reduction over the whole tree (each array where it lies, sharded or not), one small
+    transfer of its answers."""
+    import jax.numpy as jnp
+    named = [(path, x) for path, x in leaves_with_paths(tree)
+             if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)]
+    if not named:
+        return []
+    finite = jax.jit(lambda xs: jnp.stack([jnp.all(jnp.isfinite(x)) for x in xs]))(
+        [x for _, x in named])
+    return [path for (path, _), ok in zip(named, jax.device_get(finite)) if not ok]

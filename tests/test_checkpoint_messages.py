@@ -97,8 +97,11 @@ def test_the_only_checkpoint_torn_is_one_error_naming_its_file(tmp_path, monkeyp
     reports = []
     monkeypatch.setattr(sys, "unraisablehook", reports.append)
     saver = checkpoint.Checkpointer(tmp_path / "checkpoints")
-    with pytest.raises(ValueError, match=f"newest: step 2: {torn} is not valid JSON: "):
+    with pytest.raises(ValueError, match=f"newest: step 2: {torn} is not valid JSON: ") as refused:
         saver.restore_latest(state)
+    # A torn only checkpoint: the damaged file named, and --fresh said first (the config did not
+    # change; the advice used to be about a changed config alone).
+    assert "it is the only one): where a file is damaged, pass --fresh" in str(refused.value)
     [other] = (tmp_path / "checkpoints" / "2" / "state" / "d").iterdir()   # a failure inside orbax
     other.write_bytes(b"")
     (tmp_path / "checkpoints" / "2" / "state" / "array_metadatas" / torn.name).unlink()

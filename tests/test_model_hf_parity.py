@@ -311,6 +311,22 @@ def test_export_round_trip(checkpoints, tokens, name, tmp_path):
         write_hf_folder(model.config, weights, tokenizer, out)
 
 
+def test_a_weights_file_holding_a_nan_is_refused_naming_the_file_and_tensor(checkpoints, tmp_path):
+    """A NaN in a weights file was found only after a whole rollout, blamed on the learning rate,
+    with a metrics row left behind: the loader names the folder and the parameter instead."""
+    from logra_jax.models.hf_export import write_hf_folder
+    from logra_jax.tree_paths import leaves_with_paths
+
+    folder, _ = checkpoints[next(iter(CONFIGS))]
+    model, tokenizer = from_pretrained(folder)
+    weights = {p: np.array(v) for p, v in leaves_with_paths(nnx.to_pure_dict(nnx.state(model, nnx.Param)))}
+    weights["layers/mlp/down_proj/kernel"][1, 2, 3] = np.nan
+    out = write_hf_folder(model.config, weights, tokenizer, tmp_path / "hf")
+    with pytest.raises(ValueError, match=f"parameter 'layers/mlp/down_proj/kernel' read from {out} "
+                                         f"holds 1 NaN or infinite value"):
+        from_pretrained(out)
+
+
 def test_the_multimodal_gemma3_checkpoint_loads_its_language_model(tmp_path, tokens):
     """google/gemma-3-*-it folders are Gemma3ForConditionalGeneration (model_type "gemma3", the
     text model's config under text_config, a vision tower beside it): we read the language model

@@ -92,6 +92,24 @@ def _strip_fingerprint(workdir: pathlib.Path) -> None:
         meta.write_text(json.dumps({k: v for k, v in saved.items() if k != "config"}))
 
 
+def test_a_checkpoint_holding_a_nan_is_refused_naming_the_leaf(copied, trained_tiny_run):
+    """A NaN in the restored optimizer state stopped the run three steps later advising a lower
+    learning rate, after writing another checkpoint holding it: the restore names the leaf, and
+    nothing is written (config.json not rebuilt)."""
+    from logra_jax import checkpoint as checkpoint_lib
+    saver = checkpoint_lib.Checkpointer(copied / "checkpoints")
+    state = (trained_tiny_run.params, trained_tiny_run.opt_state)
+    (params, opt_state), meta = saver.restore(2, state)
+    path, leaf = next((p, x) for p, x in leaves_with_paths(opt_state)
+                      if np.issubdtype(x.dtype, np.floating) and x.size > 1)
+    broken = jax.tree.map(lambda x: x.at[(0,) * x.ndim].set(np.nan) if x is leaf else x, opt_state)
+    saver.save(3, (params, broken), dict(meta, step=3))
+    saver.close()
+    line = _refused(tiny_config(dict(max_steps=4)), copied)
+    assert line.startswith(f"error: checkpoint {copied / 'checkpoints' / '3'} holds NaN or "
+                           f"infinite values in opt_state/{path}; nothing was written"), line
+
+
 def test_an_old_checkpoint_without_a_config_needs_its_config_json(copied, trained_tiny_run,
                                                                   shipped_tiny_parts):
     """Without the fingerprint and without config.json nothing can tell the config: refused.

@@ -12,6 +12,7 @@ import pathlib
 from collections.abc import Mapping
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
@@ -31,11 +32,12 @@ def _path_str(path) -> str:
 
 
 def model_from_weights(config: ModelConfig, weights: Mapping[str, np.ndarray], *, mesh: Mesh | None = None,
-                       rules: Rules | None = None) -> Decoder:
+                       rules: Rules | None = None, source: str = "") -> Decoder:
     """A Decoder holding ``weights`` ({"layers/self_attn/q_proj/kernel": (L, in, out) array, ...}).
 
     Every parameter must be present with exactly the model's shape, and no unknown name may appear;
-    arrays are cast to ``config.param_dtype``. With ``mesh`` each array is placed with the sharding of
+    arrays are cast to ``config.param_dtype`` and must be finite (``source``, the file they were
+    read from, is named when one is not). With ``mesh`` each array is placed with the sharding of
     its logical axes; otherwise on the default device.
     """
     abstract = nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0)))
@@ -52,6 +54,11 @@ def model_from_weights(config: ModelConfig, weights: Mapping[str, np.ndarray], *
             raise ValueError(f"parameter {name!r} has shape {tuple(array.shape)}, the model expects "
                              f"{tuple(var.shape)}")
         array = np.asarray(array).astype(config.weight_dtype, copy=False)
+        if jnp.issubdtype(array.dtype, jnp.inexact) and not np.isfinite(array).all():
+            bad = int(np.size(array) - np.isfinite(array).sum())
+            raise ValueError(f"parameter {name!r}{f' read from {source}' if source else ''} holds "
+                             f"{bad} NaN or infinite value(s) of {np.size(array)}: the weights "
+                             f"file is damaged (or was saved from a diverged run)")
         if mesh is not None:
             sharding = logical_sharding(get_logical_axes(var) or (None,) * array.ndim, mesh, rules,
                                         array.shape)
@@ -92,5 +99,5 @@ def from_pretrained(source: str | pathlib.Path, *, mesh: Mesh | None = None, dty
         else:
             raise ValueError(f"unknown model source {name!r}: expected one of {list(KNOWN_MODELS)}, a "
                              f".gguf file, or a local Hugging Face folder (nothing is downloaded)")
-    model = model_from_weights(config, weights, mesh=mesh, rules=rules)
+    model = model_from_weights(config, weights, mesh=mesh, rules=rules, source=name)
     return model, tokenizer

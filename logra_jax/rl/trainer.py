@@ -34,6 +34,7 @@ from logra_jax.rl import workdir as workdir_lib
 from logra_jax.rl.assembly import RunParts
 from logra_jax.rl.rollout import Rollouts, collect_rollouts
 from logra_jax.rl.update import TrainBatch
+from logra_jax.tree_paths import nonfinite_leaves
 
 
 class Preempted(Exception):
@@ -85,6 +86,18 @@ def _loop_meta(meta: dict, where: pathlib.Path) -> tuple[int, float, Any]:
                          f"something other than this trainer, or edited); move it out of "
                          f"{where.parent} to resume from an earlier one")
     return meta["step"], meta["baseline"], meta["data"]
+
+
+def _check_finite(params, opt_state, where: pathlib.Path) -> None:
+    """A restored state holds finite numbers only: a NaN carried into a resumed run diverged it
+    three steps later, blamed on the learning rate, and was saved into another checkpoint."""
+    bad = [f"params/{p}" for p in nonfinite_leaves(params)] + [
+        f"opt_state/{p}" for p in nonfinite_leaves(opt_state)]
+    if bad:
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        raise ValueError(f"checkpoint {where} holds NaN or infinite values in {bad[0]}{more}; "
+                         f"nothing was written: move it aside to resume from an earlier "
+                         f"checkpoint, or pass --fresh to set this run aside and start over")
 
 
 def _shared_config(config: ml_collections.ConfigDict) -> dict:
@@ -210,6 +223,7 @@ class Run:
         saved, (params, opt_state), meta = latest
         self._restored = True
         where = self.ckpt.directory / str(saved)
+        _check_finite(params, opt_state, where)
         step, baseline, data_state = _loop_meta(meta, where)
         # History checked every readable checkpoint; this is the one restored, read whole.
         workdir_lib.check_checkpoint_config(meta.get(CONFIG_META), where, self.config)
