@@ -49,7 +49,7 @@ class ToyAdvantages:
 TOY_PG = algorithms.Algorithm(
     name="toy_pg", loss=lambda rl: ToyLoss(),
     advantages=lambda rl: ToyAdvantages(rl.toy_baseline),
-    options=("rl.toy_baseline",), rules={"toy_baseline": config_lib.FINITE})
+    rules={"toy_baseline": config_lib.FINITE})
 
 
 # ------------------------------------------------------------------ the toy optimizer's module
@@ -122,6 +122,7 @@ def test_unregistered_they_are_unknown_again():
     assert set(config_lib.unknown_keys(toy_config())) == {"rl.toy_baseline", "optimizer.toy_sgd"}
     with pytest.raises(ValueError, match="^unknown config key: "):
         config_lib.check_values(toy_config())
-    assert "toy_sgd" not in optimizers.names() and "rl.toy_baseline" not in config_lib.VALUE_RULES
+    assert "toy_sgd" not in optimizers.names()
+    assert "rl.toy_baseline" not in config_lib.value_rules()
     with pytest.raises(ValueError, match="already registered"):
         algorithms.register(algorithms.get("grpo"))

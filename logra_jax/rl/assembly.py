@@ -30,6 +30,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from logra_jax import distributed, host_arrays, model_shapes
+from logra_jax.config import rows_per_step
 from logra_jax import sharding as sharding_lib
 from logra_jax.models import Decoder, ModelConfig
 from logra_jax.optim.low_rank import all_finite
@@ -40,11 +41,6 @@ from logra_jax.rl.policy import Policy, Sequences
 from logra_jax.rl.rollout import Rollouts, RolloutSource, process_prompts, rollout_source
 from logra_jax.rl.sampler import Sampler
 from logra_jax.rl.update import PolicyUpdate, TrainBatch
-
-
-def rows_per_step(config: ml_collections.ConfigDict) -> int:
-    """Rows of a step's batch: data.prompts_per_step × rl.num_generations."""
-    return config.data.prompts_per_step * config.rl.num_generations
 
 
 def _placed(shapes, shardings):
@@ -217,11 +213,11 @@ class Recipe:
 
 
 def prepare(config: ml_collections.ConfigDict) -> Recipe:
-    """The recipe of a run: ``config`` checked (`build.validate`, then the algorithm's own rules)
-    and its optimizer built, before any model: a bad value or a mismatch between sections is
-    refused in a moment. The only place a run's config is validated."""
+    """The recipe of a run: ``config`` checked (`build.validate`: every value, the rules that span
+    keys, the chosen algorithm's and optimizer's own) and its optimizer built, before any model: a
+    bad value or a mismatch between sections is refused in a moment. `launch.train` does the same
+    in two halves, the check before jax is imported and `Recipe.of` after it."""
     build.validate(config)
-    algorithms.get(config.rl.algorithm).check(config)
     return Recipe.of(config)
 
 
