@@ -45,6 +45,7 @@ which process drives it, so the table is per device as always, and the header ad
 share.
 """
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -60,11 +61,12 @@ from logra_jax import config as config_lib
 _CONFIG = cli.define_config(help_string="A configs/*.py file (or a run's config.json).",
                             lock_config=False)
 _MESH = flags.DEFINE_string("mesh", None, "Training mesh, e.g. fsdp=4,tensor=1 (default: config.mesh).")
-_OPTIMIZER = flags.DEFINE_enum("optimizer", None, list(config_lib.OPTIMIZERS),
-                               "Optimizer to measure (default: config.optimizer.name).")
+_OPTIMIZER = flags.DEFINE_string("optimizer", None,
+                                 "Optimizer to measure: any registered one, e.g. logra, adamw, "
+                                 "adafactor, galore, lora (default: config.optimizer.name).")
 _COMPARE = flags.DEFINE_list("compare", None,
-                             "Also measure these columns (logra | adamw | adafactor | galore; "
-                             "logra optionally :bf16 or :fp32 weights) and print the ratio of the peaks to the first column.")
+                             "Also measure these columns (any registered optimizer: logra | adamw | "
+                             "adafactor | galore | lora; optionally :bf16 or :fp32 weights) and print the ratio of the peaks to the first column.")
 _MICRO_STEPS = flags.DEFINE_integer("micro_steps", None,
                                     "Micro-batches per update (default: the config's batch).")
 _ROLLOUT = flags.DEFINE_integer("rollout_devices", None,
@@ -88,18 +90,6 @@ _ROLLOUT_COMPILE = flags.DEFINE_bool(
     "compile_rollout", None, "Also compile the sampler's generate for the rollout batch, so the "
     "rollout phase is the compiler's figure, not weights + KV cache from shapes (default: on for "
     "GPU and TPU targets, off for cpu).")
-
-
-def parse_mesh(text: str) -> dict[str, int]:
-    """"fsdp=4,tensor=1" → {"fsdp": 4, "tensor": 1}."""
-    sizes = {}
-    for part in text.split(","):
-        name, _, size = part.partition("=")
-        try:
-            sizes[name.strip()] = int(size)
-        except ValueError:
-            raise ValueError(f"--mesh {text!r}: expected name=size pairs such as fsdp=4,tensor=1") from None
-    return sizes
 
 
 def rollout_devices_of(config, flag_value) -> int:
@@ -138,63 +128,64 @@ class Measured:
 
 def measure(config, cols, mesh_sizes, rollout_devices, micro_steps, explain, hoist_invariants=True,
             hosts=1, devices=None, compile_rollout=False) -> Measured:
-    """Compiles each of the columns ``cols`` (perf/memory.py: `columns`) on the training mesh of
-    ``mesh_sizes`` over ``devices`` (default: this process's), the last ``rollout_devices`` of them
-    the sampler's. A column whose update or sampler the TPU compiler refuses is left out of the
-    lists and kept with the refusal, so the columns that fit still make a table."""
+    """Compiles each of the columns ``cols`` (perf/memory.py: `columns`) on the run's own meshes
+    over ``devices`` (default: this process's): the training mesh of ``mesh_sizes``, the last
+    ``rollout_devices`` of them the sampler's, laid out as the config's ``sync.rollout_mesh``
+    (perf/plan.py: `plan`, one abstract run per column). A column whose update or sampler the TPU
+    compiler refuses is left out of the lists and kept with the refusal, so the columns that fit
+    still make a table."""
     import jax
+    import ml_collections
     from logra_jax.perf import hlo_dump, memory, oom
+    from logra_jax.perf.plan import plan
     from logra_jax.rl import optimizers
-    from logra_jax.rl.build import build_mesh
 
     devices = jax.devices() if devices is None else devices
     if rollout_devices >= len(devices):
         raise ValueError(f"rollout_devices={rollout_devices} leaves no training device of {len(devices)}")
-    training_devices = devices[:len(devices) - rollout_devices] if rollout_devices else devices
-    mesh = build_mesh(mesh_sizes, training_devices, spare_devices=True)
-    devices_per_host(mesh.size, hosts)  # before minutes of compiling
-    rollout = (build_mesh({"fsdp": rollout_devices, "tensor": 1},
-                          devices[len(devices) - rollout_devices:])
-               if rollout_devices else mesh)
+    planned = config.copy_and_resolve_references()
+    planned.mesh = ml_collections.ConfigDict(mesh_sizes)
+    planned.sync.rollout_devices = rollout_devices
     steps, loops, rollouts, breakdowns, refused = [], [], [], {}, {}
     generate = {}   # the sampler's program differs between columns only by an optimizer's adapters
     sampler_breakdowns = {}   # listed after the updates'
+    mesh = None
     for label, name, param_dtype in cols:
-        run = config.copy_and_resolve_references()
+        run = planned.copy_and_resolve_references()
         run.optimizer.name = name
         run.model.param_dtype = param_dtype
+        column = plan(run, devices)
+        if mesh is None:
+            mesh = column.mesh
+            devices_per_host(mesh.size, hosts)  # before minutes of compiling
         try:
             if compile_rollout:   # first: the quicker compile, and the one a big batch overfills
                 kind = name if optimizers.get(name).adapters is not None else None
                 if kind not in generate:
                     try:
-                        if explain:   # where the sampler's bytes go, beside the update's
-                            with tempfile.TemporaryDirectory() as dump:
-                                generate[kind] = memory.rollout_step_memory(run, rollout, dump_dir=dump)
+                        with (tempfile.TemporaryDirectory() if explain
+                              else contextlib.nullcontext()) as dump:   # where its bytes go
+                            generate[kind] = memory.generate_memory(
+                                column.lower_generate(), column.sampler_mesh, dump_dir=dump)
+                            if explain:
                                 sampler_breakdowns[f"{label} generate"] = hlo_dump.peak_breakdown(
                                     dump, module="generate")
-                        else:
-                            generate[kind] = memory.rollout_step_memory(run, rollout)
                     except oom.DoesNotFit as e:
                         generate[kind] = e
                 if isinstance(generate[kind], oom.DoesNotFit):
                     raise generate[kind]
-            if explain:
-                with tempfile.TemporaryDirectory() as dump:
-                    step = memory.update_step_memory(run, mesh, micro_steps=micro_steps,
-                                                     dump_dir=dump, label=label,
-                                                     hoist_invariants=hoist_invariants)
+            with tempfile.TemporaryDirectory() if explain else contextlib.nullcontext() as dump:
+                step = memory.update_memory(column.lower_update(micro_steps), mesh, label=label,
+                                            dump_dir=dump, hoist_invariants=hoist_invariants)
+                if explain:
                     breakdowns[label] = hlo_dump.peak_breakdown(dump)
-            else:
-                step = memory.update_step_memory(run, mesh, micro_steps=micro_steps, label=label,
-                                                 hoist_invariants=hoist_invariants)
         except oom.DoesNotFit as e:
             refused[label] = e
             continue
         if compile_rollout:
             rollouts.append(generate[kind])
         steps.append(step)
-        loops.append(memory.rl_resident_bytes(run, mesh, rollout))
+        loops.append(memory.resident_bytes(column))
     return Measured(mesh, steps, loops, rollouts if compile_rollout else None,
                     {**breakdowns, **sampler_breakdowns}, refused)
 
@@ -203,7 +194,7 @@ def host_devices(mesh: str | None, rollout_devices: int | None) -> int:
     """The CPU devices to simulate: enough for ``--mesh`` and ``--rollout_devices`` on XLA:CPU, at
     least 8 (a target other than cpu brings its own devices; these only hold the CPU side)."""
     try:
-        wanted = math.prod(abs(size) for size in parse_mesh(mesh).values()) if mesh else 8
+        wanted = math.prod(abs(size) for size in cli.parse_mesh(mesh).values()) if mesh else 8
     except ValueError:
         wanted = 8   # main names the malformed --mesh
     return max(8, wanted + (rollout_devices or 0))
@@ -247,12 +238,15 @@ def main(argv):
         if _TARGET.value != "cpu":
             target = machines.machine(_TARGET.value).with_hosts(_HOSTS.value)
             devices = target.jax_devices()
-        if _OPTIMIZER.value:
+        if _OPTIMIZER.value:   # the registry's names, registered from outside included
+            if _OPTIMIZER.value not in config_lib.OPTIMIZERS.names():
+                raise ValueError(f"--optimizer {_OPTIMIZER.value!r}: expected one of "
+                                 f"{', '.join(config_lib.OPTIMIZERS.names())}")
             config.optimizer.name = _OPTIMIZER.value
         cols = memory.columns(config, _COMPARE.value)
         rollout_devices = rollout_devices_of(config, _ROLLOUT.value)
         if _MESH.value:
-            mesh_sizes = parse_mesh(_MESH.value)
+            mesh_sizes = cli.parse_mesh(_MESH.value)
         elif target is not None:   # a config's mesh is its own layout; a target shards over all
             mesh_sizes = {"fsdp": len(devices) - rollout_devices, "tensor": 1}
         else:

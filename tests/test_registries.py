@@ -2,12 +2,18 @@
 outside the package (this file), without editing it, they train.
 
 The toy algorithm is a plain policy gradient with batch-mean-centred rewards and a key of its own
-(``rl.toy_baseline``); the toy optimizer is SGD with its own section (``optimizer.toy_sgd``). Two
-steps of configs/tiny.py with both: the loop runs the toy loss (its metric is logged), the toy
-optimizer moves every weight, and their keys are checked with the rest of the config.
+(``rl.toy_baseline``); the toy optimizer is SGD with its own section (``optimizer.toy_sgd``). Their
+records (names, keys: tests/toy_records.py) need no jax; the implementations are below. Two steps
+of configs/tiny.py with both: the loop runs the toy loss (its metric is logged), the toy optimizer
+moves every weight, and their keys are checked with the rest of the config; `launch.memory
+--optimizer toy_sgd`, run from a wrapper that registers the records, plans them.
 """
 
 import dataclasses
+import json
+import pathlib
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +27,11 @@ from logra_jax import metrics
 from logra_jax.optim import warmup_constant
 from logra_jax.rl import algorithms, optimizers
 from logra_jax.rl import trainer as trainer_lib
+import toy_records
+from process_env import without_device_count
 from tiny_config import flat_params, tiny_config
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 # ------------------------------------------------------------------ the toy algorithm's module
@@ -46,10 +56,9 @@ class ToyAdvantages:
         return (rewards - rewards.mean() - self.baseline).astype(np.float32), state
 
 
-TOY_PG = algorithms.Algorithm(
-    name="toy_pg", loss=lambda rl: ToyLoss(),
-    advantages=lambda rl: ToyAdvantages(rl.toy_baseline),
-    rules={"toy_baseline": config_lib.FINITE})
+TOY_PG = algorithms.Algorithm.implementing(
+    toy_records.TOY_PG, loss=lambda rl: ToyLoss(),
+    advantages=lambda rl: ToyAdvantages(rl.toy_baseline))
 
 
 # ------------------------------------------------------------------ the toy optimizer's module
@@ -60,8 +69,7 @@ def build_toy_sgd(section, *, warmup_steps, replayed_merge):
                                 kl_control=False, learning_rate=learning_rate)
 
 
-TOY_SGD = optimizers.OptimizerEntry(name="toy_sgd", build=build_toy_sgd,
-                                    rules={"learning_rate": config_lib.NONNEGATIVE})
+TOY_SGD = optimizers.OptimizerEntry.implementing(toy_records.TOY_SGD, build=build_toy_sgd)
 
 
 @pytest.fixture
@@ -126,3 +134,33 @@ def test_unregistered_they_are_unknown_again():
     assert "rl.toy_baseline" not in config_lib.value_rules()
     with pytest.raises(ValueError, match="already registered"):
         algorithms.register(algorithms.get("grpo"))
+
+
+# A command's wrapper: the records registered before the command starts (and imports jax); the
+# command imports the implementations (this file) when it builds the run.
+WRAPPER = """import runpy, sys
+import toy_records
+from logra_jax import config
+config.ALGORITHMS.register(toy_records.TOY_PG)
+config.OPTIMIZERS.register(toy_records.TOY_SGD)
+sys.argv = [sys.argv[1], *sys.argv[2:]]
+runpy.run_module(sys.argv[0], run_name="__main__")
+"""
+SCALARS = 128   # bytes of counters an optimizer state may hold (tests/test_memory.py's bound)
+
+
+def test_registered_from_outside_launch_memory_plans_them(tmp_path):
+    """``--optimizer`` takes the registry's names, an outside one among them: the toy SGD's update
+    is compiled (its state is a step counter, no moments) under the toy algorithm (no reference)."""
+    config, out = tmp_path / "toy.py", tmp_path / "plan.json"
+    config.write_text(toy_records.CONFIG_FILE)
+    env = without_device_count(PYTHONPATH=f"{ROOT}:{ROOT / 'tests'}", JAX_PLATFORMS="cpu")
+    done = subprocess.run([sys.executable, "-c", WRAPPER, "launch.memory", "--config", str(config),
+                           "--optimizer", "toy_sgd", "--json", str(out)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    plan = json.loads(out.read_text())
+    (step,) = plan["steps"]
+    assert step["optimizer"] == "toy_sgd" and step["params"] > 0
+    assert step["opt_state"] <= SCALARS
+    assert plan["loop"]["reference"] == 0

@@ -58,8 +58,10 @@ class Choice:
     implementation: str | None = None
 
     def fields(self) -> dict:
-        """Its fields by name: what an entry's class takes to implement this record."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        """Its fields by name, what an entry's class takes to implement this record; the entry is
+        its own implementation (None)."""
+        return dict({f.name: getattr(self, f.name) for f in dataclasses.fields(self)},
+                    implementation=None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,13 +104,19 @@ class Registry:
                 self._loaded[name] = record
             else:
                 module, _, attribute = record.implementation.partition(":")
-                self._loaded[name] = getattr(importlib.import_module(module), attribute)
+                entry = getattr(importlib.import_module(module), attribute)
+                if entry.name != name:
+                    raise ValueError(f"{record.implementation} is {self.what} named "
+                                     f"{entry.name!r}, not {name!r}")
+                self._loaded[name] = entry
         return self._loaded[name]
 
     def register(self, entry: Choice) -> Choice:
-        """Adds ``entry`` (its own record): ``<choice key>=<its name>`` then chooses it, and its own
-        keys are checked by their rules with the rest of the config. A name already taken is an
-        error (`unregister` it first)."""
+        """Adds ``entry``: ``<choice key>=<its name>`` then chooses it, and its own keys are checked
+        by their rules with the rest of the config. ``entry`` is the entry itself (an `Algorithm`,
+        an `OptimizerEntry`), or its record alone naming its ``implementation``: jax-free, that
+        is what a command's wrapper registers before the command starts jax. A name already taken
+        is an error (`unregister` it first)."""
         if entry.name in self._records:
             raise ValueError(f"{self.what} named {entry.name!r} is already registered")
         self._records[entry.name] = entry

@@ -1,0 +1,152 @@
+"""A config's run as every planner sees it: its meshes, its rows and its programs, made once.
+
+    p = plan(config, devices)       the trainer's own meshes over ``devices`` (`run_meshes`: the
+                                    training mesh, the rollout mesh of ``sync.rollout_mesh``), the
+                                    rows of a step, and the run's parts from shapes (one
+                                    `Recipe.abstract`)
+    p.lower_update(micro_steps)     the trainer's jitted update, lowered on abstract inputs
+    p.lower_generate(rows, mode)    the sampler's generate, lowered where the trainer samples
+                                    (`AbstractRun.sampler_mesh`), on the weights laid out as there
+
+The memory planner (memory.py, launch.memory), the XLA:GPU cost model (gpu_programs.py,
+launch.cost) and the benchmarks lower these programs and compile them; nothing is allocated.
+`Plan.on` takes meshes a caller made itself (a compile target's mesh over all its devices).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from logra_jax import sharding as sharding_lib
+from logra_jax.optim import predicted_kl
+from logra_jax.rl import build
+from logra_jax.rl.assembly import AbstractRun, Recipe, run_meshes
+from logra_jax.rl.optimizers import Optimizer
+from logra_jax.rl.update import TrainBatch
+
+
+@dataclasses.dataclass(frozen=True)
+class LoweredUpdate:
+    """One update of a config lowered for a mesh's devices (not compiled), with its abstract inputs."""
+
+    lowered: jax.stages.Lowered
+    params: dict
+    opt_state: object
+    batch: TrainBatch
+    optimizer: Optimizer
+    micro_steps: int
+
+
+@dataclasses.dataclass(frozen=True)
+class LoweredGenerate:
+    """The sampler's ``generate`` of a config lowered for a mesh's devices (not compiled), with its
+    abstract arguments: the bf16 weights it samples with and the prompts."""
+
+    lowered: jax.stages.Lowered
+    weights: dict
+    prompts: tuple
+    rows: int
+    rows_per_pass: int
+
+
+def _bf16_on(params: dict, shardings: dict) -> dict:
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16, sharding=s),
+                        params, shardings)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """One config's run from shapes (`AbstractRun`) on its meshes, whence the planners lower it."""
+
+    run: AbstractRun
+
+    @classmethod
+    def on(cls, config: ml_collections.ConfigDict, mesh: Mesh, rollout_mesh: Mesh | None = None) -> Plan:
+        """The plan of ``config`` on meshes given (``rollout_mesh`` default ``mesh``: colocated)."""
+        return cls(Recipe.of(config).abstract(mesh, rollout_mesh))
+
+    @property
+    def config(self) -> ml_collections.ConfigDict:
+        return self.run.config
+
+    @property
+    def mesh(self) -> Mesh:
+        return self.run.mesh
+
+    @property
+    def rollout_mesh(self) -> Mesh:
+        return self.run.rollout_mesh
+
+    @property
+    def sampler_mesh(self) -> Mesh:
+        return self.run.sampler_mesh
+
+    @property
+    def rows(self) -> int:
+        """Rows of a step's batch (`logra_jax.config.rows_per_step`)."""
+        return self.run.recipe.rows
+
+    def sampler_weights(self) -> dict:
+        """The bf16 weights the sampler samples with (LoRA's adapters included), laid out on
+        `sampler_mesh` as the trainer lays them out there."""
+        run = self.run
+        on_rollout = self.sampler_mesh is not run.mesh
+        return _bf16_on(run.params, run.rollout_shardings if on_rollout
+                        else jax.tree.map(lambda x: x.sharding, run.params))
+
+    def lower_update(self, micro_steps: int | None = None) -> LoweredUpdate:
+        """The trainer's update lowered on the training mesh with abstract inputs; no arrays.
+        ``micro_steps``: a batch of that many micro-batches of ``rl.micro_batch_size`` rows
+        (default: a step's rows)."""
+        run, rl = self.run, self.config.rl
+        rows = self.rows
+        if micro_steps is not None:
+            if micro_steps <= 0:
+                raise ValueError(f"micro_steps must be positive, got {micro_steps}")
+            rows = micro_steps * rl.micro_batch_size
+        if rows % rl.micro_batch_size:
+            raise ValueError(f"{rows} rows per update are not a multiple of rl.micro_batch_size="
+                             f"{rl.micro_batch_size}")
+        params, opt_state, batch = run.params, run.opt_state, run.batch(rows)
+        with predicted_kl.host_checks_left_out():   # a plan never runs: see there
+            lowered = run.update.jitted(params, opt_state).lower(params, opt_state, batch)
+        return LoweredUpdate(lowered, params, opt_state, batch, run.optimizer,
+                             rows // rl.micro_batch_size)
+
+    def lower_generate(self, rows: int | None = None,
+                       decode_weights: str | None = None) -> LoweredGenerate:
+        """The trainer's sampler lowered on `sampler_mesh` for ``rows`` prompts (default: a
+        step's), with the prompt window plus the completion length of cache; no arrays.
+        ``decode_weights`` as `Sampler`'s, default ``rl.decode_weights``: nothing runs here, so
+        "auto" plans stacked and logs that it did not measure (`decode_mode.UNMEASURED`)."""
+        rl, mesh = self.config.rl, self.sampler_mesh
+        sampler = self.run.sampler
+        if decode_weights:   # the same policy, another decode program
+            rl = ml_collections.ConfigDict(rl.to_dict())
+            rl.decode_weights = decode_weights
+            sampler = build.build_sampler(rl, self.run.policy)
+        rows = self.rows if rows is None else rows
+        weights = self.sampler_weights()
+        on_rows = sharding_lib.batch_sharding(mesh, rows)
+        replicated = NamedSharding(mesh, P())
+        tokens = jax.ShapeDtypeStruct((rows, rl.max_prompt_length), jnp.int32, sharding=on_rows)
+        mask = jax.ShapeDtypeStruct((rows, rl.max_prompt_length), jnp.bool_, sharding=on_rows)
+        key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=replicated)
+        temperature = jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated)
+        lowered = sampler.program.lower(weights, tokens, mask, key, temperature,
+                                        top_k=int(rl.top_k), top_p=float(rl.top_p), greedy=False,
+                                        mesh=sampler.mesh_of(weights, tokens))
+        return LoweredGenerate(lowered, weights, (tokens, mask), rows,
+                               rl.rollout_micro_batch or rows)
+
+
+def plan(config: ml_collections.ConfigDict, devices=None) -> Plan:
+    """The plan of ``config`` on the meshes the trainer would make over ``devices`` (default: this
+    process's): `run_meshes`, the training mesh allowed fewer devices than given (a plan of a
+    smaller mesh on a larger machine)."""
+    return Plan.on(config, *run_meshes(config, devices, spare_devices=True))
