@@ -135,17 +135,14 @@ def measure(config, cols, mesh_sizes, rollout_devices, micro_steps, explain, hoi
     compiler refuses is left out of the lists and kept with the refusal, so the columns that fit
     still make a table."""
     import jax
-    import ml_collections
     from logra_jax.perf import hlo_dump, memory, oom
-    from logra_jax.perf.plan import plan
+    from logra_jax.perf import plan as plan_lib
     from logra_jax.rl import optimizers
 
     devices = jax.devices() if devices is None else devices
     if rollout_devices >= len(devices):
         raise ValueError(f"rollout_devices={rollout_devices} leaves no training device of {len(devices)}")
-    planned = config.copy_and_resolve_references()
-    planned.mesh = ml_collections.ConfigDict(mesh_sizes)
-    planned.sync.rollout_devices = rollout_devices
+    planned = plan_lib.planned(config, mesh_sizes, rollout_devices)
     steps, loops, rollouts, breakdowns, refused = [], [], [], {}, {}
     generate = {}   # the sampler's program differs between columns only by an optimizer's adapters
     sampler_breakdowns = {}   # listed after the updates'
@@ -154,7 +151,7 @@ def measure(config, cols, mesh_sizes, rollout_devices, micro_steps, explain, hoi
         run = planned.copy_and_resolve_references()
         run.optimizer.name = name
         run.model.param_dtype = param_dtype
-        column = plan(run, devices)
+        column = plan_lib.plan(run, devices)
         if mesh is None:
             mesh = column.mesh
             devices_per_host(mesh.size, hosts)  # before minutes of compiling

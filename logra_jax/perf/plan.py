@@ -145,8 +145,26 @@ class Plan:
                                rl.rollout_micro_batch or rows)
 
 
+def planned(config: ml_collections.ConfigDict, mesh: dict[str, int] | None = None,
+            rollout_devices: int | None = None) -> ml_collections.ConfigDict:
+    """A copy of ``config`` with a planner's overrides: the training mesh's axis sizes ``mesh``
+    and the sampler's own devices ``rollout_devices`` (each None: the config's). The rest, the
+    rollout mesh's layout (``sync.rollout_mesh``) among it, stays the run's."""
+    config = config.copy_and_resolve_references()
+    if mesh is not None:
+        config.mesh = ml_collections.ConfigDict(dict(mesh))
+    if rollout_devices is not None:
+        config.sync.rollout_devices = rollout_devices
+    return config
+
+
+def plan_meshes(config: ml_collections.ConfigDict, devices=None) -> tuple[Mesh, Mesh]:
+    """(training mesh, rollout mesh) of a plan of ``config`` over ``devices`` (default: this
+    process's): the trainer's (`run_meshes`), the training mesh allowed fewer devices than given
+    (a plan of a smaller mesh on a larger machine)."""
+    return run_meshes(config, devices, spare_devices=True)
+
+
 def plan(config: ml_collections.ConfigDict, devices=None) -> Plan:
-    """The plan of ``config`` on the meshes the trainer would make over ``devices`` (default: this
-    process's): `run_meshes`, the training mesh allowed fewer devices than given (a plan of a
-    smaller mesh on a larger machine)."""
-    return Plan.on(config, *run_meshes(config, devices, spare_devices=True))
+    """The plan of ``config`` on its meshes over ``devices`` (`plan_meshes`)."""
+    return Plan.on(config, *plan_meshes(config, devices))
