@@ -69,7 +69,7 @@ def test_the_planners_state_is_the_trainers(name, optimizer, monkeypatch):
     config = small_config(name, monkeypatch)
     config.optimizer.name = optimizer
     parts = assembly.prepare(config).build()
-    plan = plan_lib.plan(config).run   # the planners' own meshes: the trainer's
+    plan = plan_lib.plan(config)   # the planners' own meshes: the trainer's
     assert (plan.mesh, plan.rollout_mesh) == (parts.mesh, parts.rollout_mesh)
     params, opt_state = parts.init_state()
     _same(plan.params, params, "params")

@@ -3,7 +3,7 @@ outside the package (this file), without editing it, they train.
 
 The toy algorithm is a plain policy gradient with batch-mean-centred rewards and a key of its own
 (``rl.toy_baseline``); the toy optimizer is SGD with its own section (``optimizer.toy_sgd``). Their
-records (names, keys: tests/toy_records.py) need no jax; the implementations are below. Two steps
+records (names, keys: tests/toy_records.py) need no jax; the implementations are below. A step
 of configs/tiny.py with both: the loop runs the toy loss (its metric is logged), the toy optimizer
 moves every weight, and their keys are checked with the rest of the config; `launch.memory
 --optimizer toy_sgd`, run from a wrapper that registers the records, plans them.
@@ -82,7 +82,7 @@ def toys():
 
 
 def toy_config(**rl) -> ml_collections.ConfigDict:
-    config = tiny_config(dict(max_steps=2, checkpoint=dict(every=2)))
+    config = tiny_config(dict(max_steps=1, checkpoint=dict(every=1)))
     config.rl.algorithm = "toy_pg"
     config.rl.toy_baseline = 0.0
     config.rl.update(rl)
@@ -91,20 +91,20 @@ def toy_config(**rl) -> ml_collections.ConfigDict:
     return config
 
 
-def test_a_toy_algorithm_and_optimizer_registered_from_outside_train_two_steps(toys, tmp_path):
+def test_a_toy_algorithm_and_optimizer_registered_from_outside_train_a_step(toys, tmp_path):
     run = trainer_lib.Run(toy_config(toy_baseline=0.01), tmp_path)
     try:
         run.loop()
     finally:
         run.close()
     rows = metrics.read_jsonl(tmp_path / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [1, 2]
+    assert [r["step"] for r in rows] == [1]
     # Its rewards are all 0 on a random model: every advantage is −b, the toy loss's metric.
-    assert [r["toy/mean_advantage"] for r in rows] == pytest.approx([-0.01, -0.01])
+    assert [r["toy/mean_advantage"] for r in rows] == pytest.approx([-0.01])
     assert run.parts.reference_params is None             # its loss reads no reference
     start, end = flat_params(run.parts.initial_params), flat_params(run.params)
     assert all(not np.array_equal(start[p], end[p]) for p in start)   # SGD moved every weight
-    assert (tmp_path / "checkpoints" / "2").is_dir()
+    assert (tmp_path / "checkpoints" / "1").is_dir()
 
 
 def test_their_own_keys_are_checked_and_their_names_are_choices(toys):

@@ -235,18 +235,18 @@ def rl_resident_bytes(config: ml_collections.ConfigDict, training: Mesh, rollout
 def resident_bytes(plan: Plan) -> LoopMemory:
     """Reference, sampler weights and KV cache per device for a plan's model and rollout batch,
     the sampler's on the mesh it samples on (`Plan.sampler_mesh`)."""
-    run, config = plan.run, plan.config
+    config = plan.config
     rl = config.rl
-    reference = device_bytes(run.reference) if run.reference is not None else 0
+    reference = device_bytes(plan.reference) if plan.reference is not None else 0
     rows = rl.rollout_micro_batch or plan.rows
-    kv = kv_cache_bytes(run.model_config, rows, rl.max_prompt_length + rl.max_completion_length,
+    kv = kv_cache_bytes(plan.model_config, rows, rl.max_prompt_length + rl.max_completion_length,
                         plan.sampler_mesh)
     colocated = set(plan.sampler_mesh.devices.flat) == set(plan.mesh.devices.flat)
     # A colocated sampler without a sync reads the policy's own params: bf16 params are its weights
     # (no copy); from fp32 params it holds a bf16 cast of them while it samples.
     shares = colocated and config.sync.mode == "off" and config.model.param_dtype == "bfloat16"
     weights = plan.sampler_weights()
-    sampler = 0 if shares else device_bytes({k: weights[k] for k in run.model_params})
+    sampler = 0 if shares else device_bytes({k: weights[k] for k in plan.model_params})
     return LoopMemory(reference=reference, sampler_weights=sampler, kv_cache=kv,
                       rollout_devices=plan.sampler_mesh.size, colocated=colocated,
                       reference_dtype=config.model.dtype)

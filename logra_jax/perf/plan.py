@@ -60,51 +60,33 @@ def _bf16_on(params: dict, shardings: dict) -> dict:
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
-    """One config's run from shapes (`AbstractRun`) on its meshes, whence the planners lower it."""
-
-    run: AbstractRun
+class Plan(AbstractRun):
+    """One config's run from shapes (`AbstractRun`: its meshes, params, optimizer state,
+    reference, update and sampler), and how the planners lower its programs."""
 
     @classmethod
     def on(cls, config: ml_collections.ConfigDict, mesh: Mesh, rollout_mesh: Mesh | None = None) -> Plan:
         """The plan of ``config`` on meshes given (``rollout_mesh`` default ``mesh``: colocated)."""
-        return cls(Recipe.of(config).abstract(mesh, rollout_mesh))
-
-    @property
-    def config(self) -> ml_collections.ConfigDict:
-        return self.run.config
-
-    @property
-    def mesh(self) -> Mesh:
-        return self.run.mesh
-
-    @property
-    def rollout_mesh(self) -> Mesh:
-        return self.run.rollout_mesh
-
-    @property
-    def sampler_mesh(self) -> Mesh:
-        return self.run.sampler_mesh
+        run = Recipe.of(config).abstract(mesh, rollout_mesh)
+        return cls(**{f.name: getattr(run, f.name) for f in dataclasses.fields(run)})
 
     @property
     def rows(self) -> int:
         """Rows of a step's batch (`logra_jax.config.rows_per_step`)."""
-        return self.run.recipe.rows
+        return self.recipe.rows
 
     def sampler_weights(self) -> dict:
         """The bf16 weights the sampler samples with (LoRA's adapters included), laid out on
         `sampler_mesh` as the trainer lays them out there."""
-        run = self.run
-        on_rollout = self.sampler_mesh is not run.mesh
-        return _bf16_on(run.params, run.rollout_shardings if on_rollout
-                        else jax.tree.map(lambda x: x.sharding, run.params))
+        on_rollout = self.sampler_mesh is not self.mesh
+        return _bf16_on(self.params, self.rollout_shardings if on_rollout
+                        else jax.tree.map(lambda x: x.sharding, self.params))
 
     def lower_update(self, micro_steps: int | None = None) -> LoweredUpdate:
         """The trainer's update lowered on the training mesh with abstract inputs; no arrays.
         ``micro_steps``: a batch of that many micro-batches of ``rl.micro_batch_size`` rows
         (default: a step's rows)."""
-        run, rl = self.run, self.config.rl
-        rows = self.rows
+        rl, rows = self.config.rl, self.rows
         if micro_steps is not None:
             if micro_steps <= 0:
                 raise ValueError(f"micro_steps must be positive, got {micro_steps}")
@@ -112,10 +94,10 @@ class Plan:
         if rows % rl.micro_batch_size:
             raise ValueError(f"{rows} rows per update are not a multiple of rl.micro_batch_size="
                              f"{rl.micro_batch_size}")
-        params, opt_state, batch = run.params, run.opt_state, run.batch(rows)
+        params, opt_state, batch = self.params, self.opt_state, self.batch(rows)
         with predicted_kl.host_checks_left_out():   # a plan never runs: see there
-            lowered = run.update.jitted(params, opt_state).lower(params, opt_state, batch)
-        return LoweredUpdate(lowered, params, opt_state, batch, run.optimizer,
+            lowered = self.update.jitted(params, opt_state).lower(params, opt_state, batch)
+        return LoweredUpdate(lowered, params, opt_state, batch, self.optimizer,
                              rows // rl.micro_batch_size)
 
     def lower_generate(self, rows: int | None = None,
@@ -125,11 +107,11 @@ class Plan:
         ``decode_weights`` as `Sampler`'s, default ``rl.decode_weights``: nothing runs here, so
         "auto" plans stacked and logs that it did not measure (`decode_mode.UNMEASURED`)."""
         rl, mesh = self.config.rl, self.sampler_mesh
-        sampler = self.run.sampler
+        sampler = self.sampler
         if decode_weights:   # the same policy, another decode program
             rl = ml_collections.ConfigDict(rl.to_dict())
             rl.decode_weights = decode_weights
-            sampler = build.build_sampler(rl, self.run.policy)
+            sampler = build.build_sampler(rl, self.policy)
         rows = self.rows if rows is None else rows
         weights = self.sampler_weights()
         on_rows = sharding_lib.batch_sharding(mesh, rows)
