@@ -1,7 +1,7 @@
 """Per-device memory of one policy update and of the whole RL loop, ahead of time, on this machine.
 
     python -m launch.memory --config configs/qwen2_5_7b_gsm8k.py [--target cpu|h100-8|v5p-16|...] \
-        [--mesh fsdp=4,tensor=1] [--optimizer logra|adamw|adafactor|galore] \
+        [--mesh fsdp=4,tensor=1] [--optimizer logra|adamw|adafactor|galore|lora|<registered>] \
         [--compare adamw[,adafactor,galore,logra:fp32,...]] [--micro_steps N] [--compile_rollout] \
         [--rollout_devices N] [--hosts H] [--explain 15] [--json out.json] [--config.key=value ...]
 
@@ -10,7 +10,7 @@ one compiles for without having it (perf/machines.py): a GPU node, ``a100-80gb-8
 ``h200-8``, ``b200-8`` (XLA:GPU, the ``gpu-plan`` extra), or a Cloud TPU slice, ``v5p-16``,
 ``v6e-8``, ... (the TPU compiler, the ``tpu`` extra). The program is compiled for the target's
 devices, FSDP over all of them unless ``--mesh`` says otherwise, and so is
-the sampler's ``generate`` for the rollout batch, so the rollout phase is the compiler's figure
+the sampler's ``generate`` for the rollout batch (on the run's rollout mesh, ``sync.rollout_mesh``), so the rollout phase is the compiler's figure
 too. The header names the compiler and its version and the hardware; the last lines say whether
 each column's RL footprint fits a device's memory (a TPU's HBM, a GPU's allocator limit):
 "fits: ..." or "does not fit: <column> needs X GiB of Y ...". XLA:GPU plans past a device's
@@ -225,6 +225,15 @@ def main(argv):
     from launch import process
     process.setup(host_devices(_MESH.value, _ROLLOUT.value))
     os.environ.setdefault("JAX_PLATFORMS", "cpu")   # XLA:CPU plans; targets compile deviceless
+    try:   # what the flags alone can tell, before jax is imported (seconds)
+        requested_mesh = cli.parse_mesh(_MESH.value) if _MESH.value else None
+        if requested_mesh and -1 not in requested_mesh.values():   # its size is known already
+            devices_per_host(math.prod(requested_mesh.values()), _HOSTS.value)
+        if _OPTIMIZER.value and _OPTIMIZER.value not in config_lib.OPTIMIZERS.names():
+            raise ValueError(f"--optimizer {_OPTIMIZER.value!r}: expected one of "   # the registry's
+                             f"{', '.join(config_lib.OPTIMIZERS.names())}")
+    except ValueError as e:
+        sys.exit(f"error: {e}")
     from launch.memory_report import (cost_lines, fit_line, format_table, gib, refusal_line,
                                       target_header)
     from logra_jax.perf import machines, memory
@@ -235,15 +244,12 @@ def main(argv):
         if _TARGET.value != "cpu":
             target = machines.machine(_TARGET.value).with_hosts(_HOSTS.value)
             devices = target.jax_devices()
-        if _OPTIMIZER.value:   # the registry's names, registered from outside included
-            if _OPTIMIZER.value not in config_lib.OPTIMIZERS.names():
-                raise ValueError(f"--optimizer {_OPTIMIZER.value!r}: expected one of "
-                                 f"{', '.join(config_lib.OPTIMIZERS.names())}")
+        if _OPTIMIZER.value:
             config.optimizer.name = _OPTIMIZER.value
         cols = memory.columns(config, _COMPARE.value)
         rollout_devices = rollout_devices_of(config, _ROLLOUT.value)
-        if _MESH.value:
-            mesh_sizes = cli.parse_mesh(_MESH.value)
+        if requested_mesh is not None:
+            mesh_sizes = requested_mesh
         elif target is not None:   # a config's mesh is its own layout; a target shards over all
             mesh_sizes = {"fsdp": len(devices) - rollout_devices, "tensor": 1}
         else:
