@@ -9,8 +9,9 @@
 one compiles for without having it (perf/machines.py): a GPU node, ``a100-80gb-8``, ``h100-8``,
 ``h200-8``, ``b200-8`` (XLA:GPU, the ``gpu-plan`` extra), or a Cloud TPU slice, ``v5p-16``,
 ``v6e-8``, ... (the TPU compiler, the ``tpu`` extra). The program is compiled for the target's
-devices, FSDP over all of them unless ``--mesh`` says otherwise, and so is
-the sampler's ``generate`` for the rollout batch (on the run's rollout mesh, ``sync.rollout_mesh``), so the rollout phase is the compiler's figure
+devices, FSDP over all of them unless ``--mesh`` says otherwise, and so is the sampler's
+``generate`` for the rollout batch, on the mesh the trainer samples on (the training mesh, or the
+rollout devices laid out as ``sync.rollout_mesh``), so the rollout phase is the compiler's figure
 too. The header names the compiler and its version and the hardware; the last lines say whether
 each column's RL footprint fits a device's memory (a TPU's HBM, a GPU's allocator limit):
 "fits: ..." or "does not fit: <column> needs X GiB of Y ...". XLA:GPU plans past a device's
