@@ -162,3 +162,16 @@ def parse_labelled(values: Sequence[str], what: str) -> dict[str, pathlib.Path]:
             raise ValueError(f"--{what} expects label=path, got {value!r}")
         out[label] = pathlib.Path(path)
     return out
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """A ``--mesh`` value, "fsdp=4,tensor=1" → {"fsdp": 4, "tensor": 1} (the planners' override of
+    a config's mesh); a size that is not an integer names the value."""
+    sizes = {}
+    for part in text.split(","):
+        name, _, size = part.partition("=")
+        try:
+            sizes[name.strip()] = int(size)
+        except ValueError:
+            raise ValueError(f"--mesh {text!r}: expected name=size pairs such as fsdp=4,tensor=1") from None
+    return sizes

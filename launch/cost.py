@@ -43,6 +43,7 @@ import sys
 from absl import flags
 
 from launch import cli
+from logra_jax.config import rows_per_step
 
 _CONFIG = cli.define_config(help_string="A configs/*.py file (or a run's config.json).",
                             lock_config=False)
@@ -81,18 +82,6 @@ def parse_modes(values, known: list[str]) -> list[str]:
     if bad:
         raise ValueError(f"--modes {','.join(values)}: expected some of {', '.join(known)}, default")
     return list(dict.fromkeys(values))
-
-
-def parse_mesh(text: str) -> dict[str, int]:
-    """"fsdp=1,tensor=1" → {"fsdp": 1, "tensor": 1} (as launch.memory's --mesh)."""
-    sizes = {}
-    for part in text.split(","):
-        name, _, size = part.partition("=")
-        try:
-            sizes[name.strip()] = int(size)
-        except ValueError:
-            raise ValueError(f"--mesh {text!r}: expected name=size pairs such as fsdp=1,tensor=1") from None
-    return sizes
 
 
 def gpu_target(name):
@@ -206,7 +195,7 @@ def main(argv):
         from logra_jax import model_shapes
         from logra_jax.perf import gpu_cost, gpu_programs
         from logra_jax.rl.build import build_mesh
-        sizes = parse_mesh(_MESH.value) if _MESH.value else {"fsdp": len(devices), "tensor": 1}
+        sizes = cli.parse_mesh(_MESH.value) if _MESH.value else {"fsdp": len(devices), "tensor": 1}
         mesh = build_mesh(sizes, devices, spare_devices=True)
         model = model_shapes.model_config_from(config.model)
         record = dict(
@@ -229,7 +218,7 @@ def main(argv):
         if "update" in parts:
             record["update"] = gpu_programs.update_figures(config, mesh)
         if "generate" in parts:
-            rows = config.data.prompts_per_step * config.rl.num_generations
+            rows = rows_per_step(config)
             record.setdefault("decode_weights_plan",
                               gpu_programs.default_decode_mode(config, mesh, rows))
             record["generate"] = gpu_programs.generate_figures(config, mesh)

@@ -1,7 +1,7 @@
 """Per-device memory of one policy update and of the whole RL loop, ahead of time, on this machine.
 
     python -m launch.memory --config configs/qwen2_5_7b_gsm8k.py [--target cpu|h100-8|v5p-16|...] \
-        [--mesh fsdp=4,tensor=1] [--optimizer logra|adamw|adafactor|galore] \
+        [--mesh fsdp=4,tensor=1] [--optimizer logra|adamw|adafactor|galore|lora|<registered>] \
         [--compare adamw[,adafactor,galore,logra:fp32,...]] [--micro_steps N] [--compile_rollout] \
         [--rollout_devices N] [--hosts H] [--explain 15] [--json out.json] [--config.key=value ...]
 
@@ -9,8 +9,9 @@
 one compiles for without having it (perf/machines.py): a GPU node, ``a100-80gb-8``, ``h100-8``,
 ``h200-8``, ``b200-8`` (XLA:GPU, the ``gpu-plan`` extra), or a Cloud TPU slice, ``v5p-16``,
 ``v6e-8``, ... (the TPU compiler, the ``tpu`` extra). The program is compiled for the target's
-devices, FSDP over all of them unless ``--mesh`` says otherwise, and so is
-the sampler's ``generate`` for the rollout batch, so the rollout phase is the compiler's figure
+devices, FSDP over all of them unless ``--mesh`` says otherwise, and so is the sampler's
+``generate`` for the rollout batch, on the mesh the trainer samples on (the training mesh, or the
+rollout devices laid out as ``sync.rollout_mesh``), so the rollout phase is the compiler's figure
 too. The header names the compiler and its version and the hardware; the last lines say whether
 each column's RL footprint fits a device's memory (a TPU's HBM, a GPU's allocator limit):
 "fits: ..." or "does not fit: <column> needs X GiB of Y ...". XLA:GPU plans past a device's
@@ -45,6 +46,7 @@ which process drives it, so the table is per device as always, and the header ad
 share.
 """
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -60,11 +62,12 @@ from logra_jax import config as config_lib
 _CONFIG = cli.define_config(help_string="A configs/*.py file (or a run's config.json).",
                             lock_config=False)
 _MESH = flags.DEFINE_string("mesh", None, "Training mesh, e.g. fsdp=4,tensor=1 (default: config.mesh).")
-_OPTIMIZER = flags.DEFINE_enum("optimizer", None, list(config_lib.OPTIMIZERS),
-                               "Optimizer to measure (default: config.optimizer.name).")
+_OPTIMIZER = flags.DEFINE_string("optimizer", None,
+                                 "Optimizer to measure: any registered one, e.g. logra, adamw, "
+                                 "adafactor, galore, lora (default: config.optimizer.name).")
 _COMPARE = flags.DEFINE_list("compare", None,
-                             "Also measure these columns (logra | adamw | adafactor | galore; "
-                             "logra optionally :bf16 or :fp32 weights) and print the ratio of the peaks to the first column.")
+                             "Also measure these columns (any registered optimizer: logra | adamw | "
+                             "adafactor | galore | lora; optionally :bf16 or :fp32 weights) and print the ratio of the peaks to the first column.")
 _MICRO_STEPS = flags.DEFINE_integer("micro_steps", None,
                                     "Micro-batches per update (default: the config's batch).")
 _ROLLOUT = flags.DEFINE_integer("rollout_devices", None,
@@ -88,18 +91,6 @@ _ROLLOUT_COMPILE = flags.DEFINE_bool(
     "compile_rollout", None, "Also compile the sampler's generate for the rollout batch, so the "
     "rollout phase is the compiler's figure, not weights + KV cache from shapes (default: on for "
     "GPU and TPU targets, off for cpu).")
-
-
-def parse_mesh(text: str) -> dict[str, int]:
-    """"fsdp=4,tensor=1" → {"fsdp": 4, "tensor": 1}."""
-    sizes = {}
-    for part in text.split(","):
-        name, _, size = part.partition("=")
-        try:
-            sizes[name.strip()] = int(size)
-        except ValueError:
-            raise ValueError(f"--mesh {text!r}: expected name=size pairs such as fsdp=4,tensor=1") from None
-    return sizes
 
 
 def rollout_devices_of(config, flag_value) -> int:
@@ -138,63 +129,61 @@ class Measured:
 
 def measure(config, cols, mesh_sizes, rollout_devices, micro_steps, explain, hoist_invariants=True,
             hosts=1, devices=None, compile_rollout=False) -> Measured:
-    """Compiles each of the columns ``cols`` (perf/memory.py: `columns`) on the training mesh of
-    ``mesh_sizes`` over ``devices`` (default: this process's), the last ``rollout_devices`` of them
-    the sampler's. A column whose update or sampler the TPU compiler refuses is left out of the
-    lists and kept with the refusal, so the columns that fit still make a table."""
+    """Compiles each of the columns ``cols`` (perf/memory.py: `columns`) on the run's own meshes
+    over ``devices`` (default: this process's): the training mesh of ``mesh_sizes``, the last
+    ``rollout_devices`` of them the sampler's, laid out as the config's ``sync.rollout_mesh``
+    (perf/plan.py: `plan`, one abstract run per column). A column whose update or sampler the TPU
+    compiler refuses is left out of the lists and kept with the refusal, so the columns that fit
+    still make a table."""
     import jax
     from logra_jax.perf import hlo_dump, memory, oom
+    from logra_jax.perf import plan as plan_lib
     from logra_jax.rl import optimizers
-    from logra_jax.rl.build import build_mesh
 
     devices = jax.devices() if devices is None else devices
     if rollout_devices >= len(devices):
         raise ValueError(f"rollout_devices={rollout_devices} leaves no training device of {len(devices)}")
-    training_devices = devices[:len(devices) - rollout_devices] if rollout_devices else devices
-    mesh = build_mesh(mesh_sizes, training_devices, spare_devices=True)
-    devices_per_host(mesh.size, hosts)  # before minutes of compiling
-    rollout = (build_mesh({"fsdp": rollout_devices, "tensor": 1},
-                          devices[len(devices) - rollout_devices:])
-               if rollout_devices else mesh)
+    planned = plan_lib.planned(config, mesh_sizes, rollout_devices)
     steps, loops, rollouts, breakdowns, refused = [], [], [], {}, {}
     generate = {}   # the sampler's program differs between columns only by an optimizer's adapters
     sampler_breakdowns = {}   # listed after the updates'
+    mesh = None
     for label, name, param_dtype in cols:
-        run = config.copy_and_resolve_references()
+        run = planned.copy_and_resolve_references()
         run.optimizer.name = name
         run.model.param_dtype = param_dtype
+        column = plan_lib.plan(run, devices)
+        if mesh is None:
+            mesh = column.mesh
+            devices_per_host(mesh.size, hosts)  # before minutes of compiling
         try:
             if compile_rollout:   # first: the quicker compile, and the one a big batch overfills
                 kind = name if optimizers.get(name).adapters is not None else None
                 if kind not in generate:
                     try:
-                        if explain:   # where the sampler's bytes go, beside the update's
-                            with tempfile.TemporaryDirectory() as dump:
-                                generate[kind] = memory.rollout_step_memory(run, rollout, dump_dir=dump)
+                        with (tempfile.TemporaryDirectory() if explain
+                              else contextlib.nullcontext()) as dump:   # where its bytes go
+                            generate[kind] = memory.generate_memory(
+                                column.lower_generate(), column.sampler_mesh, dump_dir=dump)
+                            if explain:
                                 sampler_breakdowns[f"{label} generate"] = hlo_dump.peak_breakdown(
                                     dump, module="generate")
-                        else:
-                            generate[kind] = memory.rollout_step_memory(run, rollout)
                     except oom.DoesNotFit as e:
                         generate[kind] = e
                 if isinstance(generate[kind], oom.DoesNotFit):
                     raise generate[kind]
-            if explain:
-                with tempfile.TemporaryDirectory() as dump:
-                    step = memory.update_step_memory(run, mesh, micro_steps=micro_steps,
-                                                     dump_dir=dump, label=label,
-                                                     hoist_invariants=hoist_invariants)
+            with tempfile.TemporaryDirectory() if explain else contextlib.nullcontext() as dump:
+                step = memory.update_memory(column.lower_update(micro_steps), mesh, label=label,
+                                            dump_dir=dump, hoist_invariants=hoist_invariants)
+                if explain:
                     breakdowns[label] = hlo_dump.peak_breakdown(dump)
-            else:
-                step = memory.update_step_memory(run, mesh, micro_steps=micro_steps, label=label,
-                                                 hoist_invariants=hoist_invariants)
         except oom.DoesNotFit as e:
             refused[label] = e
             continue
         if compile_rollout:
             rollouts.append(generate[kind])
         steps.append(step)
-        loops.append(memory.rl_resident_bytes(run, mesh, rollout))
+        loops.append(memory.resident_bytes(column))
     return Measured(mesh, steps, loops, rollouts if compile_rollout else None,
                     {**breakdowns, **sampler_breakdowns}, refused)
 
@@ -203,7 +192,7 @@ def host_devices(mesh: str | None, rollout_devices: int | None) -> int:
     """The CPU devices to simulate: enough for ``--mesh`` and ``--rollout_devices`` on XLA:CPU, at
     least 8 (a target other than cpu brings its own devices; these only hold the CPU side)."""
     try:
-        wanted = math.prod(abs(size) for size in parse_mesh(mesh).values()) if mesh else 8
+        wanted = math.prod(abs(size) for size in cli.parse_mesh(mesh).values()) if mesh else 8
     except ValueError:
         wanted = 8   # main names the malformed --mesh
     return max(8, wanted + (rollout_devices or 0))
@@ -237,6 +226,15 @@ def main(argv):
     from launch import process
     process.setup(host_devices(_MESH.value, _ROLLOUT.value))
     os.environ.setdefault("JAX_PLATFORMS", "cpu")   # XLA:CPU plans; targets compile deviceless
+    try:   # what the flags alone can tell, before jax is imported (seconds)
+        requested_mesh = cli.parse_mesh(_MESH.value) if _MESH.value else None
+        if requested_mesh and -1 not in requested_mesh.values():   # its size is known already
+            devices_per_host(math.prod(requested_mesh.values()), _HOSTS.value)
+        if _OPTIMIZER.value and _OPTIMIZER.value not in config_lib.OPTIMIZERS.names():
+            raise ValueError(f"--optimizer {_OPTIMIZER.value!r}: expected one of "   # the registry's
+                             f"{', '.join(config_lib.OPTIMIZERS.names())}")
+    except ValueError as e:
+        sys.exit(f"error: {e}")
     from launch.memory_report import (cost_lines, fit_line, format_table, gib, refusal_line,
                                       target_header)
     from logra_jax.perf import machines, memory
@@ -251,8 +249,8 @@ def main(argv):
             config.optimizer.name = _OPTIMIZER.value
         cols = memory.columns(config, _COMPARE.value)
         rollout_devices = rollout_devices_of(config, _ROLLOUT.value)
-        if _MESH.value:
-            mesh_sizes = parse_mesh(_MESH.value)
+        if requested_mesh is not None:
+            mesh_sizes = requested_mesh
         elif target is not None:   # a config's mesh is its own layout; a target shards over all
             mesh_sizes = {"fsdp": len(devices) - rollout_devices, "tensor": 1}
         else:

@@ -14,23 +14,21 @@ def count_ops(config) -> dict:
     arrays on one device (the config's mesh replaced by one device: FSDP splits only rows)."""
     import jax
     from logra_jax.perf import matmul_count
-    from logra_jax.rl.assembly import Recipe
+    from logra_jax.perf.plan import Plan
     from logra_jax.rl.build import build_mesh
 
     mesh = build_mesh({"fsdp": 1, "tensor": 1}, jax.devices()[:1], spare_devices=True)
     counts = {}
     for name in ("logra", "adamw"):
         config.optimizer.name = name
-        run = Recipe.of(config).abstract(mesh)
-        params, opt_state, batch = run.params, run.opt_state, run.batch()
-        compiled = run.update.jitted(params, opt_state).lower(params, opt_state, batch).compile()
+        compiled = Plan.on(config, mesh).lower_update().lowered.compile()
         counts[name] = matmul_count.of_compiled(compiled)
     return counts
 
 
 def print_counts(config, counts: dict) -> None:
     """The config's update and each optimizer's GFLOP of matrix products, then their ratio."""
-    from logra_jax.rl.assembly import rows_per_step
+    from logra_jax.config import rows_per_step
     c = config
     print(f"{c.model.source}: one update of {rows_per_step(c)} "
           f"rows × {c.rl.max_prompt_length + c.rl.max_completion_length} tokens in micro-batches "

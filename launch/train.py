@@ -75,9 +75,9 @@ def run(config, workdir: str, *, fresh: bool = False, verbose: bool = False) -> 
             process.check_backend(verbose=verbose)
         except (ValueError, process.SetupError) as e:
             fail(e)
-        from logra_jax.rl import trainer  # imports jax
-        try:
-            job = trainer.Run(config, workdir, fresh=fresh)
+        from logra_jax.rl import assembly, trainer  # imports jax
+        try:   # checked above: the recipe's other half, not a second check
+            job = trainer.Run(config, workdir, fresh=fresh, recipe=assembly.Recipe.of(config))
         except EXPECTED_ERRORS as e:  # bad config, input or workdir: nothing was written
             fail(e)
         try:

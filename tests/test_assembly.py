@@ -17,8 +17,10 @@ import pytest
 
 from logra_jax import config as config_lib
 from logra_jax import model_shapes
+from logra_jax.perf import plan as plan_lib
 from logra_jax.rl import assembly, optimizers
 from logra_jax.tree_paths import leaves_with_paths
+from tiny_config import override
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIGS = sorted(p.stem for p in (ROOT / "configs").glob("*.py") if p.stem not in ("__init__", "base"))
@@ -67,7 +69,8 @@ def test_the_planners_state_is_the_trainers(name, optimizer, monkeypatch):
     config = small_config(name, monkeypatch)
     config.optimizer.name = optimizer
     parts = assembly.prepare(config).build()
-    plan = assembly.Recipe.of(config).abstract(parts.mesh, parts.rollout_mesh)
+    plan = plan_lib.plan(config)   # the planners' own meshes: the trainer's
+    assert (plan.mesh, plan.rollout_mesh) == (parts.mesh, parts.rollout_mesh)
     params, opt_state = parts.init_state()
     _same(plan.params, params, "params")
     _same(plan.opt_state, opt_state, "optimizer state")
@@ -76,6 +79,29 @@ def test_the_planners_state_is_the_trainers(name, optimizer, monkeypatch):
         _same(plan.reference, parts.reference_params, "reference")
     assert jax.tree.structure(plan.rollout_shardings) == jax.tree.structure(parts.rollout_shardings)
     assert jax.tree.leaves(plan.rollout_shardings) == jax.tree.leaves(parts.rollout_shardings)
+
+
+# Every shipped config, and two with a tensor-parallel rollout mesh (none ships one): the sampler
+# on 4 devices of its own as fsdp=2 × tensor=2, and colocated (a full sync) as fsdp=4 × tensor=2.
+MESH_CASES = [(name, {}) for name in CONFIGS] + [
+    ("qwen2_5_7b_gsm8k", {"sync": {"rollout_mesh": {"tensor": 2}}}),
+    ("tiny", {"sync": {"mode": "full", "rollout_mesh": {"tensor": 2}}}),
+]
+
+
+@pytest.mark.parametrize("name, overrides", MESH_CASES,
+                         ids=[f"{n}{'-tensor-rollout' if o else ''}" for n, o in MESH_CASES])
+def test_the_planner_plans_on_the_trainers_meshes(name, overrides):
+    """launch.memory's meshes when no flag overrides them (the config's own mesh and rollout
+    devices: `plan.planned`, `plan.plan_meshes`) are the ones the trainer builds (`Recipe.meshes`),
+    the rollout mesh laid out as ``sync.rollout_mesh``. Meshes only: no model, nothing compiled."""
+    config = config_lib.load_config_file(ROOT / "configs" / f"{name}.py")
+    override(config, overrides)
+    trainer = assembly.Recipe.of(config).meshes()
+    planner = plan_lib.plan_meshes(plan_lib.planned(config, dict(config.mesh),
+                                                    config.sync.rollout_devices))
+    assert [dict(m.shape) for m in planner] == [dict(m.shape) for m in trainer]
+    assert planner == trainer   # the same devices in the same places
 
 
 def test_a_run_without_a_kl_term_plans_no_reference():

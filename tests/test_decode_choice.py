@@ -62,7 +62,7 @@ def test_auto_runs_the_rules_program_whichever_is_slowed(model, slow, caplog):
 
 
 def test_a_plan_compiled_without_running_takes_the_rule(model, caplog):
-    """`_generate.lower` (launch.memory's path) lowers the program a run on that machine takes:
+    """`program.lower` (launch.memory's path) lowers the program a run on that machine takes:
     on XLA:CPU the per-layer one."""
     policy, params, tokens, _ = model
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
@@ -73,7 +73,7 @@ def test_a_plan_compiled_without_running_takes_the_rule(model, caplog):
     def lowered(mode):
         sampler = Sampler(policy, max_prompt_length=PROMPT_LEN, max_completion_length=STEPS,
                           eos_ids=[95], pad_id=PAD, decode_weights=mode)
-        return sampler._generate.lower(*args, top_k=0, top_p=1.0, greedy=False).as_text()
+        return sampler.program.lower(*args, top_k=0, top_p=1.0, greedy=False).as_text()
 
     with caplog.at_level(logging.INFO):
         auto = lowered("auto")

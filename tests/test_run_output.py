@@ -8,6 +8,7 @@ import shutil
 from configs import tiny
 from launch import train as train_cli
 from logra_jax import metrics
+from logra_jax.config import values as config_values
 from logra_jax.perf import memory
 from logra_jax.rl import build
 from logra_jax.rl import assembly
@@ -38,13 +39,19 @@ def test_the_bar_labels_seconds_per_step(tmp_path):
 
 def test_launch_train_says_what_it_trained(trained_tiny_run, shipped_tiny_parts, tmp_path,
                                            monkeypatch, capsys):
-    """configs/tiny.py has no progress bar: step 3 is one line, then the closing summary."""
+    """configs/tiny.py has no progress bar: step 3 is one line, then the closing summary. The
+    config is checked once, before jax (the run takes the rest of its recipe from there)."""
     workdir = tmp_path / "workdir"
     shutil.copytree(trained_tiny_run.workdir, workdir)
     monkeypatch.setattr(trainer_lib, "Run",
                         functools.partial(trainer_lib.Run, parts=shipped_tiny_parts))
+    checked = []
+    check_values = config_values.check_values
+    monkeypatch.setattr(config_values, "check_values",
+                        lambda config: checked.append(config) or check_values(config))
     capsys.readouterr()
     train_cli.run(tiny_config(dict(max_steps=3)), str(workdir))
+    assert len(checked) == 1
     step, done = capsys.readouterr().out.splitlines()
     assert step.startswith("step 3/3: reward ") and step.endswith(" s/step") and "kl" not in step
     assert done.startswith("done: trained steps 3–3 of 3 in "), done

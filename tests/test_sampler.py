@@ -71,10 +71,10 @@ def test_sampled_logprobs_are_the_models(setup, temperature):
 def test_new_weights_do_not_recompile(setup):
     _, params, sampler, _, tokens, mask = setup
     sampler.generate(params, tokens, mask, jax.random.PRNGKey(2))
-    size = sampler._generate._cache_size()
+    size = sampler.program._cache_size()
     moved = jax.tree.map(lambda x: x * 1.01, params)
     out = sampler.generate(moved, tokens, mask, jax.random.PRNGKey(2))
-    assert sampler._generate._cache_size() == size
+    assert sampler.program._cache_size() == size
     first = sampler.generate(params, tokens, mask, jax.random.PRNGKey(2))
     assert not np.array_equal(np.asarray(out.logprobs), np.asarray(first.logprobs))
 
@@ -190,7 +190,7 @@ def test_passes_of_rows_draw_the_one_pass_tokens_in_less_memory(setup):
     for per_pass in (0, 8):
         sampler = Sampler(policy, max_prompt_length=PROMPT_LEN, max_completion_length=2 * STEPS,
                           eos_ids=list(range(3, 96, 9)), pad_id=PAD, rows_per_pass=per_pass)
-        compiled = sampler._generate.lower(*args, top_k=0, top_p=1.0, greedy=False).compile()
+        compiled = sampler.program.lower(*args, top_k=0, top_p=1.0, greedy=False).compile()
         outs.append(compiled(*args))
         temporaries.append(compiled.memory_analysis().temp_size_in_bytes)
     one, passes = outs
@@ -229,12 +229,12 @@ def test_rows_stay_split_over_the_params_mesh():
     sampler = Sampler(policy, max_prompt_length=32, max_completion_length=STEPS, eos_ids=[95],
                       pad_id=PAD)
     args = (params, tokens, mask, jax.random.PRNGKey(4), jnp.float32(1.0))
-    split = sampler._generate.lower(*args, top_k=0, top_p=1.0, greedy=False, mesh=mesh.abstract_mesh)
+    split = sampler.program.lower(*args, top_k=0, top_p=1.0, greedy=False, mesh=mesh.abstract_mesh)
     out = split.compile()(*args)   # draws the model's own tokens with their log-probs
     seqs = Sequences.from_sample(out.prompt_tokens, out.prompt_mask, out.tokens, out.mask)
     np.testing.assert_allclose(out.logprobs, policy.completion_logprobs(params, seqs)[0] * out.mask,
                                atol=1e-5)
-    split, whole = (sampler._generate.lower(*args, top_k=0, top_p=1.0, greedy=False, mesh=m)
+    split, whole = (sampler.program.lower(*args, top_k=0, top_p=1.0, greedy=False, mesh=m)
                     .compile().memory_analysis().temp_size_in_bytes
                     for m in (mesh.abstract_mesh, None))
     assert 2 * split < whole, (split, whole)
@@ -420,7 +420,7 @@ def test_chunked_decoding_draws_the_per_token_loops_tokens(setup, monkeypatch):
         monkeypatch.setattr(sampler_lib, "CHUNKED_PLATFORMS", ("cpu",) if chunked else ())
         sampler = Sampler(policy, max_prompt_length=PROMPT_LEN, max_completion_length=steps,
                           eos_ids=eos, pad_id=PAD)
-        return sampler._generate(params, jnp.asarray(tokens), jnp.asarray(mask),
+        return sampler.program(params, jnp.asarray(tokens), jnp.asarray(mask),
                                  jax.random.PRNGKey(7), jnp.float32(1.0), jnp.int32(limit),
                                  top_k=0, top_p=1.0, per_layer=True, **kwargs)
 
@@ -449,6 +449,6 @@ def test_a_stacked_decode_holds_the_kv_cache_once():
                       pad_id=PAD, decode_weights="stacked")
     args = (params, jax.ShapeDtypeStruct((rows, prompt), jnp.int32),
             jax.ShapeDtypeStruct((rows, prompt), jnp.bool_), jax.random.PRNGKey(0), jnp.float32(1.0))
-    compiled = sampler._generate.lower(*args, top_k=0, top_p=1.0, greedy=False).compile()
+    compiled = sampler.program.lower(*args, top_k=0, top_p=1.0, greedy=False).compile()
     kv_cache = 2 * config.num_layers * rows * (prompt + steps) * config.num_kv_heads * config.head_dim * 4
     assert compiled.memory_analysis().temp_size_in_bytes < 1.6 * kv_cache

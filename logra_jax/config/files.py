@@ -119,10 +119,11 @@ def _from_json(path: pathlib.Path, defaults) -> ml_collections.ConfigDict:
         for part in parents:
             node = node[part]
         node[last] = ml_collections.ConfigDict(_nested(recorded, section.rstrip(".")) or {})
+    known = values.value_rules()
     for key, value in flatten(recorded).items():
         if key.startswith(values.CHECKED_ELSEWHERE):
             continue
-        if key not in values.VALUE_RULES:
+        if key not in known:
             raise ConfigFileError(f"config file {path}: {values.describe_unknown(key)}")
         *parents, last = key.split(".")
         node = config

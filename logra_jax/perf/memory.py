@@ -14,8 +14,9 @@ say what the temporaries hold. The RL loop keeps more than the update: a referen
 the algorithm's loss reads one), the sampler's weights and, while sampling, its KV cache;
 `rl_resident_bytes` counts them.
 
-Every program and abstract array comes from the run's own assembly (rl/assembly.py, from shapes:
-`Recipe.abstract`), so a plan holds exactly what the trainer builds. Where the bytes at the peak go
+Every program and abstract array comes from the run's own assembly, made once per column on the
+trainer's own meshes (plan.py: `Plan`, from `Recipe.abstract`), so a plan holds exactly what the
+trainer builds. Where the bytes at the peak go
 is read from an HLO dump by hlo_dump.py; the tables are launch/memory_report.py's.
 """
 
@@ -33,12 +34,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from logra_jax import sharding as sharding_lib
 from logra_jax.models import ModelConfig
-from logra_jax.optim import predicted_kl
 from logra_jax.perf import machines, matmul_count, oom
 from logra_jax.rl import optimizers
-from logra_jax.rl.assembly import Recipe
-from logra_jax.rl.optimizers import Optimizer
-from logra_jax.rl.update import TrainBatch, update_compiler_options
+from logra_jax.perf.plan import LoweredGenerate, LoweredUpdate, Plan
+from logra_jax.rl.update import update_compiler_options
 from logra_jax.tree_paths import leaves_with_paths
 
 
@@ -126,7 +125,7 @@ def columns(config: ml_collections.ConfigDict, compare) -> list[tuple[str, str, 
     out = []
     for spec in [config.optimizer.name] + list(compare or []):
         name, _, dtype = spec.partition(":")
-        if name not in optimizers.OPTIMIZERS or (dtype and dtype not in _DTYPES):
+        if name not in optimizers.names() or (dtype and dtype not in _DTYPES):
             raise ValueError(f"--compare {spec!r}: expected one of {', '.join(optimizers.names())}, "
                              f"optionally with :bf16 or :fp32 (e.g. adamw,logra:fp32)")
         # LoRA's base, like LoGRA's weights, in the config's dtype or the column's :bf16 / :fp32.
@@ -137,37 +136,10 @@ def columns(config: ml_collections.ConfigDict, compare) -> list[tuple[str, str, 
     return out
 
 
-@dataclasses.dataclass(frozen=True)
-class LoweredUpdate:
-    """One update of a config lowered for a mesh's devices (not compiled), with its abstract inputs."""
-
-    lowered: jax.stages.Lowered
-    params: dict
-    opt_state: object
-    batch: TrainBatch
-    optimizer: Optimizer
-    micro_steps: int
-
-
 def lower_update(config: ml_collections.ConfigDict, mesh: Mesh, *,
                  micro_steps: int | None = None) -> LoweredUpdate:
-    """The trainer's update of ``config`` (model shape, optimizer, batch) lowered on ``mesh``'s
-    devices with abstract inputs; no arrays. ``micro_steps`` as `update_step_memory`'s."""
-    run = Recipe.of(config).abstract(mesh)
-    rl = config.rl
-    rows = run.recipe.rows
-    if micro_steps is not None:
-        if micro_steps <= 0:
-            raise ValueError(f"micro_steps must be positive, got {micro_steps}")
-        rows = micro_steps * rl.micro_batch_size
-    if rows % rl.micro_batch_size:
-        raise ValueError(f"{rows} rows per update are not a multiple of rl.micro_batch_size="
-                         f"{rl.micro_batch_size}")
-    params, opt_state, batch = run.params, run.opt_state, run.batch(rows)
-    with predicted_kl.host_checks_left_out():   # a plan never runs: see there
-        lowered = run.update.jitted(params, opt_state).lower(params, opt_state, batch)
-    return LoweredUpdate(lowered, params, opt_state, batch, run.optimizer,
-                         rows // rl.micro_batch_size)
+    """The trainer's update of ``config`` lowered on ``mesh`` (`Plan.lower_update`)."""
+    return Plan.on(config, mesh).lower_update(micro_steps)
 
 
 def update_step_memory(config: ml_collections.ConfigDict, mesh: Mesh, *, micro_steps: int | None = None,
@@ -183,7 +155,16 @@ def update_step_memory(config: ml_collections.ConfigDict, mesh: Mesh, *, micro_s
     out of the layer loops (+6.4 GiB per device at 7B with bf16 weights), which a GPU with native
     bf16 dots never does; for planning bf16-weight runs on GPUs.
     """
-    update = lower_update(config, mesh, micro_steps=micro_steps)
+    return update_memory(lower_update(config, mesh, micro_steps=micro_steps), mesh,
+                         label=label or config.optimizer.name, dump_dir=dump_dir,
+                         hoist_invariants=hoist_invariants)
+
+
+def update_memory(update: LoweredUpdate, mesh: Mesh, *, label: str,
+                  dump_dir: str | pathlib.Path | None = None,
+                  hoist_invariants: bool = True) -> StepMemory:
+    """Compiles a lowered update (`Plan.lower_update`) on ``mesh``: its `StepMemory`, the column
+    named ``label``. ``dump_dir``, ``hoist_invariants``: as `update_step_memory`'s."""
     params, opt_state, batch, optimizer = update.params, update.opt_state, update.batch, update.optimizer
     options = dict(machines.compiler_options_for(mesh))
     if dump_dir is not None:
@@ -195,14 +176,14 @@ def update_step_memory(config: ml_collections.ConfigDict, mesh: Mesh, *, micro_s
             "while-loop-invariant-code-motion"]))
     try:
         compiled = oom.compile_or_refuse(update.lowered, compiler_options=options or None,
-                                             program=f"the {label or config.optimizer.name} update")
+                                             program=f"the {label} update")
     except oom.DoesNotFit as e:
         raise e.with_arguments(device_bytes((params, opt_state, batch))) from None
     stats = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = (cost[0] if isinstance(cost, list) else cost) or {}   # XLA:GPU deviceless: None
     return StepMemory(
-        optimizer=label or config.optimizer.name, devices=mesh.size, micro_steps=update.micro_steps,
+        optimizer=label, devices=mesh.size, micro_steps=update.micro_steps,
         params=device_bytes(params), opt_state=device_bytes(opt_state), batch=device_bytes(batch),
         gradients=gradient_bytes(optimizer.trained(params), optimizer.sketch, optimizer.train_others),
         arguments=stats.argument_size_in_bytes, outputs=stats.output_size_in_bytes,
@@ -236,10 +217,6 @@ class LoopMemory:
     reference_dtype: str = "bfloat16"
 
 
-def _bf16(params) -> dict:
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16, sharding=x.sharding), params)
-
-
 def kv_cache_bytes(model_config: ModelConfig, rows: int, length: int, mesh: Mesh) -> int:
     """Per-device bytes of the KVCache of ``rows`` sequences of ``length`` slots (rows over fsdp)."""
     shape = (model_config.num_layers, rows, length, model_config.num_kv_heads, model_config.head_dim)
@@ -250,25 +227,28 @@ def kv_cache_bytes(model_config: ModelConfig, rows: int, length: int, mesh: Mesh
 
 
 def rl_resident_bytes(config: ml_collections.ConfigDict, training: Mesh, rollout: Mesh) -> LoopMemory:
-    """Reference, sampler weights and KV cache per device for ``config``'s model and rollout batch.
+    """`resident_bytes` of ``config`` on ``training`` and ``rollout`` (the sampler's mesh: the
+    training mesh itself when colocated)."""
+    return resident_bytes(Plan.on(config, training, rollout))
 
-    ``rollout`` is the sampler's mesh: the training mesh itself when colocated.
-    """
-    run = Recipe.of(config).abstract(training, rollout)
+
+def resident_bytes(plan: Plan) -> LoopMemory:
+    """Reference, sampler weights and KV cache per device for a plan's model and rollout batch,
+    the sampler's on the mesh it samples on (`Plan.sampler_mesh`)."""
+    config = plan.config
     rl = config.rl
-    reference = device_bytes(run.reference) if run.reference is not None else 0
-    rows = rl.rollout_micro_batch or run.recipe.rows
-    kv = kv_cache_bytes(run.model_config, rows, rl.max_prompt_length + rl.max_completion_length,
-                        rollout)
-    colocated = set(rollout.devices.flat) == set(training.devices.flat)
+    reference = device_bytes(plan.reference) if plan.reference is not None else 0
+    rows = rl.rollout_micro_batch or plan.rows
+    kv = kv_cache_bytes(plan.model_config, rows, rl.max_prompt_length + rl.max_completion_length,
+                        plan.sampler_mesh)
+    colocated = set(plan.sampler_mesh.devices.flat) == set(plan.mesh.devices.flat)
     # A colocated sampler without a sync reads the policy's own params: bf16 params are its weights
     # (no copy); from fp32 params it holds a bf16 cast of them while it samples.
     shares = colocated and config.sync.mode == "off" and config.model.param_dtype == "bfloat16"
-    on_rollout = {k: run.rollout_shardings[k] for k in run.model_params}
-    sampler = 0 if shares else device_bytes(_bf16(jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), run.model_params, on_rollout)))
+    weights = plan.sampler_weights()
+    sampler = 0 if shares else device_bytes({k: weights[k] for k in plan.model_params})
     return LoopMemory(reference=reference, sampler_weights=sampler, kv_cache=kv,
-                      rollout_devices=rollout.size, colocated=colocated,
+                      rollout_devices=plan.sampler_mesh.size, colocated=colocated,
                       reference_dtype=config.model.dtype)
 
 
@@ -290,44 +270,10 @@ class RolloutMemory:
         return self.arguments + self.outputs + self.temporaries
 
 
-@dataclasses.dataclass(frozen=True)
-class LoweredGenerate:
-    """The sampler's ``generate`` of a config lowered for a mesh's devices (not compiled), with its
-    abstract arguments: the bf16 weights it samples with and the prompts."""
-
-    lowered: jax.stages.Lowered
-    weights: dict
-    prompts: tuple
-    rows: int
-    rows_per_pass: int
-
-
 def lower_generate(config: ml_collections.ConfigDict, mesh: Mesh, *, rows: int | None = None,
                    decode_weights: str | None = None) -> LoweredGenerate:
-    """The trainer's sampler of ``config`` lowered on ``mesh``'s devices for ``rows`` prompts
-    (default: a step's, prompts_per_step × num_generations), with the prompt window plus the
-    completion length of cache and bf16 weights (LoRA's adapters included) laid out as the
-    trainer lays them out; no arrays. ``decode_weights`` as `Sampler`'s, default
-    ``rl.decode_weights``: "auto" lowers the program `decode_mode.rule` picks for ``mesh``'s
-    platform and devices, the one a run there executes."""
-    if decode_weights:
-        config = config.copy_and_resolve_references()
-        config.rl.decode_weights = decode_weights
-    run = Recipe.of(config).abstract(mesh)
-    rl = config.rl
-    rows = run.recipe.rows if rows is None else rows
-    weights = _bf16(run.params)
-    on_rows = sharding_lib.batch_sharding(mesh, rows)
-    replicated = NamedSharding(mesh, P())
-    tokens = jax.ShapeDtypeStruct((rows, rl.max_prompt_length), jnp.int32, sharding=on_rows)
-    mask = jax.ShapeDtypeStruct((rows, rl.max_prompt_length), jnp.bool_, sharding=on_rows)
-    key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=replicated)
-    temperature = jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated)
-    sampler = run.sampler
-    lowered = sampler._generate.lower(weights, tokens, mask, key, temperature, top_k=int(rl.top_k),
-                                      top_p=float(rl.top_p), greedy=False,
-                                      mesh=sampler.mesh_of(weights, tokens))
-    return LoweredGenerate(lowered, weights, (tokens, mask), rows, rl.rollout_micro_batch or rows)
+    """The trainer's sampler of ``config`` lowered on ``mesh`` (`Plan.lower_generate`)."""
+    return Plan.on(config, mesh).lower_generate(rows, decode_weights)
 
 
 def rollout_step_memory(config: ml_collections.ConfigDict, mesh: Mesh, *,
@@ -336,7 +282,14 @@ def rollout_step_memory(config: ml_collections.ConfigDict, mesh: Mesh, *,
     """Compiles the sampler's ``generate`` for ``config``'s rollout batch on ``mesh``
     (`lower_generate`); no arrays. ``dump_dir`` keeps XLA's HLO dump of it there (for
     `hlo_dump.peak_breakdown(dump_dir, module="generate")`)."""
-    generate = lower_generate(config, mesh, decode_weights=decode_weights)
+    return generate_memory(lower_generate(config, mesh, decode_weights=decode_weights), mesh,
+                           dump_dir=dump_dir)
+
+
+def generate_memory(generate: LoweredGenerate, mesh: Mesh, *,
+                    dump_dir: str | pathlib.Path | None = None) -> RolloutMemory:
+    """Compiles a lowered generate (`Plan.lower_generate`) on ``mesh``, the sampler's: its
+    `RolloutMemory`. ``dump_dir`` as `rollout_step_memory`'s."""
     options = dict(machines.compiler_options_for(mesh))
     if dump_dir is not None:
         options.update({"xla_dump_to": str(dump_dir), "xla_dump_hlo_as_text": True,

@@ -30,6 +30,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from logra_jax import distributed, host_arrays, model_shapes
+from logra_jax.config import rows_per_step
 from logra_jax import sharding as sharding_lib
 from logra_jax.models import Decoder, ModelConfig
 from logra_jax.optim.low_rank import all_finite
@@ -40,11 +41,6 @@ from logra_jax.rl.policy import Policy, Sequences
 from logra_jax.rl.rollout import Rollouts, RolloutSource, process_prompts, rollout_source
 from logra_jax.rl.sampler import Sampler
 from logra_jax.rl.update import PolicyUpdate, TrainBatch
-
-
-def rows_per_step(config: ml_collections.ConfigDict) -> int:
-    """Rows of a step's batch: data.prompts_per_step × rl.num_generations."""
-    return config.data.prompts_per_step * config.rl.num_generations
 
 
 def _placed(shapes, shardings):
@@ -138,6 +134,23 @@ def _assemble(recipe: Recipe, model: nnx.Module, tokenizer, mesh: Mesh, rollout_
                       update, sampler)
 
 
+def run_meshes(config: ml_collections.ConfigDict, devices=None, *,
+               spare_devices: bool = False) -> tuple[Mesh, Mesh]:
+    """(training mesh, rollout mesh) of ``config`` over ``devices`` (default: all): the training
+    mesh laid out as ``mesh`` on the devices ``sync.rollout_devices`` leaves it, the rollout mesh
+    as ``sync.rollout_mesh`` on the rest, or on the training devices when colocated (0).
+
+    ``spare_devices``: a plan's training mesh may use only the first of its devices (a smaller mesh
+    than the machine); a colocated rollout mesh then lies on that mesh's devices, as the trainer's
+    would on a machine of that size. The trainer and every planner take their meshes from here.
+    """
+    train_devices, rollout_devices = sync.split_devices(config.sync.rollout_devices, devices)
+    mesh = build.build_mesh(config.mesh, train_devices, spare_devices=spare_devices)
+    if spare_devices and not config.sync.rollout_devices:
+        rollout_devices = train_devices[:mesh.size]
+    return mesh, build.build_mesh(config.sync.rollout_mesh, rollout_devices)
+
+
 @dataclasses.dataclass(frozen=True)
 class Recipe:
     """A run's config, checked, with the algorithm it names and the optimizer it builds.
@@ -153,12 +166,8 @@ class Recipe:
     sync_mode: str
 
     def meshes(self, devices=None) -> tuple[Mesh, Mesh]:
-        """(training mesh, rollout mesh) over ``devices`` (default: all), split as
-        ``sync.rollout_devices`` says; the same mesh twice when colocated."""
-        config = self.config
-        train_devices, rollout_devices = sync.split_devices(config.sync.rollout_devices, devices)
-        return (build.build_mesh(config.mesh, train_devices),
-                build.build_mesh(config.sync.rollout_mesh, rollout_devices))
+        """The run's (training mesh, rollout mesh) over ``devices`` (`run_meshes`)."""
+        return run_meshes(self.config, devices)
 
     def abstract(self, mesh: Mesh, rollout_mesh: Mesh | None = None, *,
                  model_config: ModelConfig | None = None) -> AbstractRun:
@@ -217,11 +226,11 @@ class Recipe:
 
 
 def prepare(config: ml_collections.ConfigDict) -> Recipe:
-    """The recipe of a run: ``config`` checked (`build.validate`, then the algorithm's own rules)
-    and its optimizer built, before any model: a bad value or a mismatch between sections is
-    refused in a moment. The only place a run's config is validated."""
+    """The recipe of a run: ``config`` checked (`build.validate`: every value, the rules that span
+    keys, the chosen algorithm's and optimizer's own) and its optimizer built, before any model: a
+    bad value or a mismatch between sections is refused in a moment. `launch.train` does the same
+    in two halves, the check before jax is imported and `Recipe.of` after it."""
     build.validate(config)
-    algorithms.get(config.rl.algorithm).check(config)
     return Recipe.of(config)
 
 
@@ -253,6 +262,13 @@ class AbstractRun:
     @property
     def optimizer(self) -> Optimizer:
         return self.recipe.optimizer
+
+    @property
+    def sampler_mesh(self) -> Mesh:
+        """The mesh the sampler runs on: the training mesh where it reads the policy's own params
+        (``sync.mode='off'``, colocated: `RunParts.rollout_source`), else the rollout mesh."""
+        colocated = not self.config.sync.rollout_devices
+        return self.mesh if colocated and self.recipe.sync_mode == "off" else self.rollout_mesh
 
     @property
     def model_params(self) -> dict:

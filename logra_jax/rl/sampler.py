@@ -299,6 +299,7 @@ class Sampler:
         self.rows_per_pass = int(rows_per_pass)
         self._generate = jax.jit(self._generate_impl,
                                  static_argnames=("top_k", "top_p", "greedy", "mesh", "per_layer"))
+        self.program = self._generate   # the jitted generate, for planners that lower it
 
     def generate(self, params, prompt_tokens, prompt_mask, rng, *, temperature: float = 1.0,
                  top_p: float = 1.0, top_k: int = 0, greedy: bool = False) -> SampleOutput:

@@ -55,7 +55,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from logra_jax.config.values import placed_sync_mode
+from logra_jax.config.derived import placed_sync_mode
 from logra_jax import sharding as sharding_lib
 from logra_jax.optim.low_rank import LowRankUpdate
 from logra_jax.optim.targets import SketchSpec

@@ -117,6 +117,9 @@ class Run:
     without it such a workdir is resumed, or refused when the run cannot continue it (another
     config, or metrics without a checkpoint).
 
+    ``recipe``: ``config`` prepared already (`assembly.Recipe.of` of a config that passed
+    `config.validate`), so it is not checked twice; default `assembly.prepare(config)`.
+
     A run that ends before its first step (refused, failed, or stopped by a signal) leaves the
     workdir as it found it: the entries it created are removed, and so is a workdir it created.
 
@@ -126,7 +129,8 @@ class Run:
     that timed its pick): the two programs round differently."""
 
     def __init__(self, config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,
-                 parts: RunParts | None = None, fresh: bool = False):
+                 parts: RunParts | None = None, fresh: bool = False,
+                 recipe: assembly.Recipe | None = None):
         self.config = config
         self._fingerprint = config_lib.fingerprint(config)   # recorded in every checkpoint
         self._lock = self.ckpt = None
@@ -139,7 +143,8 @@ class Run:
         self.summary: str | None = None   # `loop`'s one line of what it trained (process 0)
         # What can be checked in a moment is checked before the model is built, and before
         # anything in the workdir is written.
-        recipe = assembly.prepare(config)
+        if recipe is None:   # given, the config was checked already (launch.train: before jax)
+            recipe = assembly.prepare(config)
         if parts is None:   # given parts were built from a config that passed the shape checks
             recipe.check_shapes()
         self._created_root = workdir_lib.missing_root(workdir)

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from logra_jax.config import choices
 from logra_jax.rl import losses
 from logra_jax.rl.algorithms.base import Algorithm
 
@@ -63,14 +64,5 @@ def uses_reference(rl: ml_collections.ConfigDict) -> bool:
     return rl.beta > 0
 
 
-def check(config: ml_collections.ConfigDict) -> None:
-    rl = config.rl
-    if rl.num_generations < 2:
-        raise ValueError(f"rl.num_generations={rl.num_generations}: GRPO compares completions within "
-                         "a group, so it needs at least 2 per prompt")
-
-
-GRPO = Algorithm(
-    name="grpo", loss=loss, advantages=advantages, uses_reference=uses_reference, check=check,
-    options=("rl.epsilon", "rl.epsilon_high", "rl.beta", "rl.kl_estimator", "rl.scale_rewards",
-             "rl.advantage_baseline"))
+GRPO = Algorithm.implementing(choices.GRPO, loss=loss, advantages=advantages,
+                              uses_reference=uses_reference)

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from logra_jax.config import choices
 from logra_jax.rl import losses
 from logra_jax.rl.algorithms.base import Algorithm
 
@@ -54,6 +55,5 @@ def failure_reward(rl: ml_collections.ConfigDict) -> float:
     return rl.failure_reward
 
 
-REINFORCE = Algorithm(
-    name="reinforce", loss=loss, advantages=advantages, failure_reward=failure_reward,
-    options=("rl.failure_reward", "rl.baseline_momentum", "rl.is_cap"))
+REINFORCE = Algorithm.implementing(choices.REINFORCE, loss=loss, advantages=advantages,
+                                   failure_reward=failure_reward)

@@ -5,34 +5,31 @@
     adamw, adafactor, galore   dense.py    every parameter from its dense gradient
     lora                       lora.py     rank-r adapters on the targets, the base frozen
 
-Each module builds an `Optimizer` (base.py) from its section of the config, ``optimizer.<name>``;
-`OPTIMIZERS` below is the table of the built-in ones. An optimizer from outside the package is
-one module of its own and one `register(...)` call before the run is built (docs/extending.md).
-The loop, the update and the memory planner ask the built `Optimizer` (its sketch, its adapters,
-its metrics and skipped key), never the optimizer's name.
+Each module builds an `Optimizer` (base.py) from its section of the config, ``optimizer.<name>``,
+with an `OptimizerEntry` that implements the optimizer's jax-free record; the records, the one
+list of the optimizers, are the registry `logra_jax.config.OPTIMIZERS`
+(logra_jax/config/choices.py), which the config's checks read, and an optimizer's module is
+imported only when a run asks for it (`get`). An optimizer from outside the package is one module
+of its own and one `register(...)` call before the run is built (docs/extending.md). The loop,
+the update and the memory planner ask the built `Optimizer` (its sketch, its adapters, its
+metrics and skipped key), never the optimizer's name.
 """
 
 from __future__ import annotations
 
 import ml_collections
 
-from logra_jax.rl import config_schema
+from logra_jax.config import OPTIMIZERS
 from logra_jax.rl.optimizers.base import Adapters, Optimizer, OptimizerEntry
-from logra_jax.rl.optimizers.dense import ADAFACTOR, ADAMW, GALORE
-from logra_jax.rl.optimizers.logra import LOGRA
-from logra_jax.rl.optimizers.lora import LORA
 
-__all__ = ["Adapters", "OPTIMIZERS", "Optimizer", "OptimizerEntry", "adapters_of", "build", "get",
-           "names", "register", "unregister"]
+__all__ = ["Adapters", "Optimizer", "OptimizerEntry", "adapters_of", "build", "get", "names",
+           "register", "unregister"]
 
-_REGISTRY: config_schema.Registry[OptimizerEntry] = config_schema.Registry(
-    "optimizer.name", "an optimizer", (LOGRA, ADAMW, ADAFACTOR, GALORE, LORA),
-    rules_of=lambda e: {f"optimizer.{e.name}.{key}": rule for key, rule in e.rules.items()})
-OPTIMIZERS: dict[str, OptimizerEntry] = _REGISTRY.table
-names = _REGISTRY.names
-get = _REGISTRY.get            # the entry ``optimizer.name`` names; ValueError listing the known ones
-register = _REGISTRY.register  # builds it from ``optimizer.<name>`` (docs/extending.md)
-unregister = _REGISTRY.unregister
+names = OPTIMIZERS.names
+get = OPTIMIZERS.get            # the OptimizerEntry ``optimizer.name`` names; ValueError listing the known ones
+register = OPTIMIZERS.register  # an OptimizerEntry from outside the package (docs/extending.md)
+unregister = OPTIMIZERS.unregister
+
 
 
 def build(cfg: ml_collections.ConfigDict, *, replayed_merge: bool = True) -> Optimizer:

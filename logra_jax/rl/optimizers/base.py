@@ -2,13 +2,15 @@
 
 An entry builds its `Optimizer` from its section of the config (``config.optimizer.<name>``): the
 optax transformation and what the update, the metrics row, the divergence check, the sync and the
-memory planner need to know of it. No code outside the entries' modules branches on a name.
+memory planner need to know of it. No code outside the entries' modules branches on a name. What
+the config's checks need of an entry is its jax-free record (`logra_jax.config.OptimizerChoice`),
+which `OptimizerEntry` extends.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import ml_collections
@@ -16,7 +18,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from logra_jax import sharding as sharding_lib
-from logra_jax.config import Rule
+from logra_jax.config import OptimizerChoice
 from logra_jax.optim import SketchSpec, skip_metrics
 from logra_jax.tree_paths import leaves_with_paths
 
@@ -110,11 +112,13 @@ class Optimizer(NamedTuple):
         return None if self.adapters is None else self.adapters.scale
 
 
-@dataclasses.dataclass(frozen=True)
-class OptimizerEntry:
-    """One optimizer, as the run's config names it (``optimizer.name``).
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OptimizerEntry(OptimizerChoice):
+    """One optimizer, as the run's config names it (``optimizer.name``): its record
+    (`logra_jax.config.OptimizerChoice`: ``name``, the value of ``optimizer.name`` and the config
+    section it reads, ``optimizer.<name>``; ``rules``, its section's keys by their key within the
+    section; ``check``; ``low_rank_factors``) and what a run asks of it:
 
-    name: the value of ``optimizer.name``, and the config section it reads (``optimizer.<name>``).
     build: (its section, ``warmup_steps`` = ``optimizer.warmup_steps``, ``replayed_merge`` =
       whether a rollout engine replays the trainer's merges: `rl.build.replays_merge`) → Optimizer.
     adapters: its section → the `Adapters` it adds to the model's params, for an optimizer that
@@ -123,16 +127,16 @@ class OptimizerEntry:
     master_weights: the weights' dtype a memory comparison gives its column: None for the
       config's (or the column's ``:bf16`` / ``:fp32``), "float32" for a dense baseline, which is
       always compared in the usual mixed precision (fp32 master weights and moments).
-    rules: value rules (`logra_jax.config.Rule`) of its section's keys, by their key within the
-      section; an optimizer registered from outside the package brings its own (configs/base.py
-      and logra_jax/config/values.py hold those of the built-in ones).
     """
 
-    name: str
     build: Callable[..., Optimizer]
     adapters: Callable[[ml_collections.ConfigDict], Adapters] | None = None
     master_weights: str | None = None
-    rules: Mapping[str, Rule] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def implementing(cls, record: OptimizerChoice, **parts) -> OptimizerEntry:
+        """The optimizer of a built-in ``record`` (logra_jax/config/choices.py) with its ``parts``."""
+        return cls(**record.fields(), **parts)
 
     def __call__(self, cfg: ml_collections.ConfigDict, *, replayed_merge: bool = True) -> Optimizer:
         """The Optimizer of ``cfg`` (the config's ``optimizer`` section)."""

@@ -10,6 +10,7 @@ from typing import Callable
 import ml_collections
 import optax
 
+from logra_jax.config import choices
 from logra_jax.optim import warmup_constant
 from logra_jax.optim.baselines import adafactor_baseline, adamw_baseline, galore_baseline
 from logra_jax.rl.optimizers.base import Optimizer, OptimizerEntry
@@ -26,7 +27,9 @@ def _builder(baseline: Callable[..., optax.GradientTransformation]):
     return build
 
 
-ADAMW = OptimizerEntry(name="adamw", build=_builder(adamw_baseline), master_weights="float32")
-ADAFACTOR = OptimizerEntry(name="adafactor", build=_builder(adafactor_baseline),
-                           master_weights="float32")
-GALORE = OptimizerEntry(name="galore", build=_builder(galore_baseline), master_weights="float32")
+ADAMW = OptimizerEntry.implementing(choices.ADAMW, build=_builder(adamw_baseline),
+                                    master_weights="float32")
+ADAFACTOR = OptimizerEntry.implementing(choices.ADAFACTOR, build=_builder(adafactor_baseline),
+                                        master_weights="float32")
+GALORE = OptimizerEntry.implementing(choices.GALORE, build=_builder(galore_baseline),
+                                     master_weights="float32")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ml_collections
 
+from logra_jax.config import choices
 from logra_jax.optim import logra, logra_metrics, variant_defaults, warmup_constant
 from logra_jax.optim.logra import sketch_spec_of
 from logra_jax.rl.optimizers.base import Optimizer, OptimizerEntry
@@ -26,4 +27,4 @@ def build(section: ml_collections.ConfigDict, *, warmup_steps: int,
                      learning_rate=learning_rate, metrics=logra_metrics, skipped_key="logra/skipped")
 
 
-LOGRA = OptimizerEntry(name="logra", build=build)
+LOGRA = OptimizerEntry.implementing(choices.LOGRA, build=build)

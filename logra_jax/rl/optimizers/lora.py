@@ -8,6 +8,7 @@ import functools
 
 import ml_collections
 
+from logra_jax.config import choices
 from logra_jax.optim import warmup_constant
 from logra_jax.optim.baselines import adamw_baseline
 from logra_jax.optim.lora import LORA_KEY, init_adapters, kernel_path
@@ -32,4 +33,4 @@ def adapters(section: ml_collections.ConfigDict) -> Adapters:
                                            rank=section.rank, seed=section.init_seed))
 
 
-LORA = OptimizerEntry(name="lora", build=build, adapters=adapters)
+LORA = OptimizerEntry.implementing(choices.LORA, build=build, adapters=adapters)
