@@ -42,6 +42,7 @@ import numpy as np
 from logra_jax import model_shapes
 from logra_jax.perf import gpu_cost, machines, memory, oom
 from logra_jax.rl.sampler import Sampler
+from logra_jax.tree_paths import leaves_with_paths
 
 MARGINAL_LAYERS = (3, 4)
 
@@ -113,9 +114,10 @@ def weight_bytes_read(weights: dict, model, rows: int) -> int:
     held = memory.device_bytes(weights)
     if model.tie_embeddings:
         return held   # the table is also the head: the step reads it whole
-    if INPUT_EMBEDDING not in weights:
+    tables = [leaf for path, leaf in leaves_with_paths(weights) if path == INPUT_EMBEDDING]
+    if len(tables) != 1:
         raise ValueError(f"an untied model's weights hold no {INPUT_EMBEDDING!r} table")
-    table = memory.device_bytes(weights[INPUT_EMBEDDING])
+    table = memory.device_bytes(tables[0])
     return held - table + rows * table // model.vocab_size
 
 
