@@ -5,12 +5,13 @@ memory planner lowers it (memory.py: ``lower_generate``, ``lower_update``), comp
 of a GPU target's devices without a GPU, and read by gpu_cost.py:
 
 - a decode step (one token for every row) of the compiled ``generate``, found in its token loop:
-  kernels (and by kind), kernels per layer, host syncs, bytes against the floor, and the
+  kernels (and by kind), kernels per layer, host syncs, bytes against the whole-cache floor, and the
   predicted tokens/s (gpu_cost.predicted_tokens_per_s);
 - the update, the config's optimizer beside AdamW: kernels, bytes, matmul FLOPs;
 - the config's own rollout pass: XLA's temporaries beside its KV cache;
 - a whole rollout of the config's batch by the static engine, for a schedule of completion
-  lengths (`static_rollout`): bytes and kernels per kept token against the true floor.
+  lengths (`completion_schedule`, `static_rollout`): bytes and kernels per kept token against
+  the true floor, and the share of the executed row-steps that drew a kept token.
 
 **Per layer.** From 3 layers on, XLA's kernels per decode step grow by the same amount for every
 layer a model has (measured, both modes: Qwen2.5-1.5B's shape at 3, 4 and 28 layers; SmolLM2-135M's
