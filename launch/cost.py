@@ -2,7 +2,8 @@
 
     python -m launch.cost --config configs/qwen2_5_1_5b.py --target h200-8 \\
         [--mesh fsdp=1,tensor=1] [--batches 1,16,64] [--modes per_layer,stacked|default] \\
-        [--parts decode,update,generate] [--json out.json] [--calibrate] [--config.key=value ...]
+        [--parts decode,update,generate,rollout] [--schedule lognormal:200|FILE] [--json out.json] \\
+        [--calibrate] [--config.key=value ...]
 
 The programs are the ones `launch.memory` compiles (perf/memory.py: the sampler's ``generate`` and
 the trainer's update), compiled by XLA:GPU for the target's GPUs on this machine (deviceless, the
@@ -15,8 +16,10 @@ target's GPUs).
 ``generate``, read off its token loop (so its host syncs and loop structure are the program's
 own): kernels per token (by kind), kernels per layer (the step's kernels at 4 layers less those at
 3 layers of the same model: from 3 layers on XLA's count grows by that much per layer), host
-syncs per token, bytes per token against the floor (the GPU's share of the bf16 weights plus its
-rows' KV cache, each read once) and the predicted tokens/s
+syncs per token, bytes per token against the whole-cache floor (the GPU's share of the bf16
+weights a step reads -- all, but of an untied input embedding only its rows' entries -- plus every
+slot of its rows' KV cache, each read once: the least today's program, whose attention reads
+every slot, could move) and the predicted tokens/s
 
     batch ÷ max(bytes per token ÷ the GPU's bandwidth, kernels per token × seconds per kernel)
 
@@ -32,7 +35,24 @@ adamw`), side by side: kernels, bytes, host syncs, matmul FLOPs (loops as they r
 **generate**: the config's own rollout pass (``rl.rollout_micro_batch`` rows, or the whole
 rollout batch) in the default mode: XLA's temporaries beside the KV cache that pass holds.
 
-``--json FILE`` writes every figure; the header names the compiler and its versions.
+**rollout** (needs ``--schedule``): a whole rollout of the config's batch (prompts_per_step ×
+num_generations rows, in passes of ``rl.rollout_micro_batch`` rows when set) by today's static
+engine, for a schedule of completion lengths (`gpu_programs.static_rollout` has the model): a pass
+runs whole trips of its token loop until its longest row ends, each decode step costing the bytes
+and kernels of the step XLA:GPU compiles, deviceless, for a pass of that many rows (the prefill
+not counted). Per kept token (completion tokens up to and including EOS): the bytes moved, the
+true floor (the weights once per step, each group's prompt KV once, each live row's completion
+KV so far, only while a row is live), the kernels; and efficiency = kept tokens ÷ executed
+row-steps, decode_steps = the token steps the passes run one after another. A GPU's time per
+kept token follows as max(bytes ÷ bandwidth, kernels × seconds per kernel). ``--schedule``:
+``lognormal:M`` draws every row's length as round(M·e^Z), Z ~ N(0, 1) (median M, σ 1), clipped
+to 1 … rl.max_completion_length, Z from numpy's generator seeded with
+``gpu_programs.SCHEDULE_SEED`` (the same lengths every run); or a file of one length per row,
+one integer per line.
+
+``--json FILE`` writes every figure; the header names the compiler and its versions. Its
+``rollout`` entry is ``{schedule, static: {bytes_per_kept_token, floor_bytes_per_kept_token,
+kernels_per_kept_token, efficiency, decode_steps}, static_detail}``.
 """
 
 import dataclasses
@@ -55,13 +75,16 @@ _BATCHES = flags.DEFINE_list("batches", ["1", "16", "64"], "Rows decoded at once
 _MODES = flags.DEFINE_list("modes", None, "Decode modes to read (default: every mode a GPU run can "
                            "use); 'default' is the one a plan compiles for rl.decode_weights.")
 _PARTS = flags.DEFINE_list("parts", ["decode", "update", "generate"],
-                           "What to compile and read: decode, update, generate.")
+                           "What to compile and read: decode, update, generate, rollout.")
+_SCHEDULE = flags.DEFINE_string(
+    "schedule", None, "Completion lengths of the rollout part: lognormal:M (median M, sigma 1, "
+    "capped at rl.max_completion_length, a fixed seed) or a file of one integer per row.")
 _JSON = flags.DEFINE_string("json", None, "Also write every figure to this JSON file.")
 _CALIBRATE = flags.DEFINE_bool(
     "calibrate", False, "Also compile today's decode at the shape of the H200 run the seconds per "
     "kernel come from (SmolLM2-135M's, batch 1, both modes) and print its kernels beside that run's.")
 
-PARTS = ("decode", "update", "generate")
+PARTS = ("decode", "update", "generate", "rollout")
 
 
 def parse_batches(values) -> list[int]:
@@ -145,7 +168,8 @@ def print_report(record) -> None:
                   f"{d['bytes_over_floor']:>6.2f} {d['predicted_tokens_per_s']:>9.0f}  "
                   f"{'launches' if d['launch_bound'] else 'bytes'}")
         print("* the mode a plan compiles for rl.decode_weights="
-              f"{record['decode_weights']!r}")
+              f"{record['decode_weights']!r}; floor: the weights a step reads (an untied input "
+              "embedding: its rows' entries only) + every slot of its rows' KV cache")
         for d in record["decode"]:
             kinds = ", ".join(f"{k} {v:g}" for k, v in d["kernels_by_kind"].items())
             print(f"  batch {d['batch']} {d['mode']}: {kinds}")
@@ -165,6 +189,8 @@ def print_report(record) -> None:
         print(f"\ngenerate ({g['rows']} rows, {g['rows_per_pass']} per pass, "
               f"{record['decode_weights_plan']}): temporaries {gib(g['temp_bytes'])} GiB beside a KV "
               f"cache of {gib(g['kv_cache_bytes'])} GiB per GPU (XLA's memory analysis)")
+    if "rollout" in record:
+        print_rollout(record)
     if "calibration" in record:
         print("\nseconds per kernel: the H200 run's tokens/s over its program's kernels "
               "(and over today's program at its shape):")
@@ -174,6 +200,41 @@ def print_report(record) -> None:
             print(f"  {mode}: {c['measured_tokens_per_s']} tokens/s measured, {ran[mode]} kernels/token "
                   f"→ {1e6 / (c['measured_tokens_per_s'] * ran[mode]):.3f} µs "
                   f"(today {c['kernels_per_token']:g} → {c['seconds_per_kernel'] * 1e6:.3f} µs)")
+
+
+def print_rollout(record) -> None:
+    r = record["rollout"]
+    schedule, static, detail = r["schedule"], r["static"], r["static_detail"]
+    lengths = sorted(schedule["lengths"])
+    median = (lengths[(len(lengths) - 1) // 2] + lengths[len(lengths) // 2]) / 2
+    how = (f"median {schedule['median']:g}, σ 1, capped at {schedule['cap']}, seed {schedule['seed']}"
+           if schedule["kind"] == "lognormal" else "one length per row from the file")
+    print(f"\nrollout of {detail['rows']} rows, completion lengths {schedule['spec']} ({how}): "
+          f"{detail['kept_tokens']:,} tokens kept, median {median:g}, "
+          f"longest {lengths[-1]}")
+    print(f"static engine, per GPU: passes of {detail['rows_per_pass']} rows, each to the end of its "
+          f"longest row in trips of {detail['tokens_per_loop_trip']} steps; a decode step "
+          f"({detail['mode']}, {detail['rows_per_pass']} rows) {_gb(detail['bytes_per_step'])} GB, "
+          f"{detail['kernels_per_step']:.1f} kernels; prefill not counted")
+    head = f"{'pass':>4} {'rows':>5} {'longest':>7} {'token steps':>11} {'forward passes':>14}"
+    print(head)
+    print("-" * len(head))
+    for j, p in enumerate(detail["passes"]):
+        print(f"{j:>4} {p['rows']:>5} {p['longest']:>7} {p['token_steps']:>11} "
+              f"{p['forward_passes']:>14}")
+    head = (f"{'engine':<7} {'GB/kept token':>13} {'floor GB':>8} {'×floor':>6} "
+            f"{'kernels/kept token':>18} {'efficiency':>10} {'decode steps':>12} {'seconds':>9}")
+    print(head)
+    print("-" * len(head))
+    print(f"{'static':<7} {_gb(static['bytes_per_kept_token']):>13} "
+          f"{_gb(static['floor_bytes_per_kept_token']):>8} "
+          f"{static['bytes_per_kept_token'] / static['floor_bytes_per_kept_token']:>6.2f} "
+          f"{static['kernels_per_kept_token']:>18.2f} {static['efficiency']:>10.3f} "
+          f"{static['decode_steps']:>12} {detail['predicted_seconds']:>9.4g}")
+    print(f"floor: the batch decoded as one, each row only while live (weights once per step, "
+          f"each group's {record['model']['prompt_window']}-token prompt KV once, each live row's "
+          f"completion KV so far); seconds predicted: forward passes × max(bytes ÷ "
+          f"{record['bandwidth'] / 1e12:.2f} TB/s, kernels × {record['seconds_per_kernel'] * 1e6:.2f} µs)")
 
 
 def main(argv):
@@ -191,6 +252,14 @@ def main(argv):
         bad = [p for p in parts if p not in PARTS]
         if bad or not parts:
             raise ValueError(f"--parts {','.join(_PARTS.value)}: expected some of {', '.join(PARTS)}")
+        if "rollout" in parts:   # the schedule checked before minutes of compiling
+            if not _SCHEDULE.value:
+                raise ValueError("--parts rollout needs --schedule: lognormal:M (e.g. lognormal:200) "
+                                 "or a file of completion lengths, one per row")
+            from logra_jax.perf import gpu_programs
+            schedule, lengths = gpu_programs.completion_schedule(
+                _SCHEDULE.value, config.data.prompts_per_step * config.rl.num_generations,
+                config.rl.max_completion_length)
         devices = target.jax_devices()
         from logra_jax import model_shapes
         from logra_jax.perf import gpu_cost, gpu_programs
@@ -207,7 +276,8 @@ def main(argv):
                 f"{config.model.source}: {model.num_layers} layers, width {model.hidden_size}, "
                 f"vocabulary {model.vocab_size}; rollout {config.rl.max_prompt_length} + "
                 f"{config.rl.max_completion_length} tokens"), layers=model.num_layers,
-                vocab_size=model.vocab_size, hidden_size=model.hidden_size),
+                vocab_size=model.vocab_size, hidden_size=model.hidden_size,
+                prompt_window=config.rl.max_prompt_length),
             bandwidth=target.bandwidth_per_device, seconds_per_kernel=gpu_cost.SECONDS_PER_KERNEL,
             seconds_per_kernel_evidence=gpu_cost.CALIBRATION,
             decode_weights=config.rl.decode_weights)
@@ -222,6 +292,12 @@ def main(argv):
             record.setdefault("decode_weights_plan",
                               gpu_programs.default_decode_mode(config, mesh, rows))
             record["generate"] = gpu_programs.generate_figures(config, mesh)
+        if "rollout" in parts:
+            static, detail = gpu_programs.static_rollout(config, mesh, lengths)
+            detail["predicted_seconds"] = detail["forward_passes"] * max(
+                detail["bytes_per_step"] / target.bandwidth_per_device,
+                detail["kernels_per_step"] * gpu_cost.SECONDS_PER_KERNEL)
+            record["rollout"] = dict(schedule=schedule, static=static, static_detail=detail)
         if _CALIBRATE.value:
             record["calibration"] = calibration(build_mesh({"fsdp": 1, "tensor": 1}, devices[:1]))
     except (ValueError, FileNotFoundError) as e:

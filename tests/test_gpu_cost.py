@@ -311,13 +311,26 @@ def _cost_cli(*args, json_path=None):
     return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=900)
 
 
+# The rollout part's completion lengths for the config's 4 prompts × 2 rows, in passes of 4 rows
+# (pass 0: rows 0, 2, 4, 6; pass 1: rows 1, 3, 5, 7): groups that end at different steps, a pass
+# whose longest row takes many 16-step trips, another that ends within its third, a row of one token.
+ROLLOUT_LENGTHS = (700, 20, 1, 40, 300, 17, 16, 2)
+ROLLOUT_ROWS_PER_PASS = 4
+
+
 @pytest.fixture(scope="module")
 def qwen_plan(tmp_path_factory):
     """`launch.cost` on the Qwen2.5-1.5B config at 3 layers, one H200, batches 1 and 64, the
-    decode mode a plan compiles."""
-    out = tmp_path_factory.mktemp("cost") / "cost.json"
+    decode mode a plan compiles; and its rollout part for ``ROLLOUT_LENGTHS`` in passes of 4 rows
+    (one more compile: the decode step at 4 rows)."""
+    folder = tmp_path_factory.mktemp("cost")
+    schedule = folder / "lengths.txt"
+    schedule.write_text("".join(f"{n}\n" for n in ROLLOUT_LENGTHS))
+    out = folder / "cost.json"
     result = _cost_cli("--config", "configs/qwen2_5_1_5b.py", "--target", "h200-8",
                        "--mesh", "fsdp=1,tensor=1", "--batches", "1,64", "--modes", "default",
+                       "--parts", "decode,update,generate,rollout", "--schedule", str(schedule),
+                       f"--config.rl.rollout_micro_batch={ROLLOUT_ROWS_PER_PASS}",
                        *QWEN_3_LAYERS, json_path=out)
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout, json.loads(out.read_text())
@@ -334,9 +347,11 @@ def test_launch_cost_reports_every_figure(qwen_plan):
         for field in ("kernels_per_token", "kernels_per_layer", "bytes_per_token",
                       "floor_bytes_per_token", "host_syncs_per_token", "predicted_tokens_per_s"):
             assert d[field] > 0, (d["batch"], d["mode"], field)
-        # The floor: the bf16 weights and the rows' KV cache (3 layers × rows × 1,024 slots ×
-        # 2 KV heads × 128 × K and V × 2 bytes).
+        # The whole-cache floor: the bf16 weights, all of them read (the embedding is the tied
+        # head), and the rows' KV cache (3 layers × rows × 1,024 slots × 2 KV heads × 128 × K
+        # and V × 2 bytes).
         assert d["kv_cache_bytes"] == 3 * d["batch"] * 1024 * 2 * 128 * 2 * 2
+        assert d["weight_bytes_read"] == d["weight_bytes"]
         assert d["floor_bytes_per_token"] == d["weight_bytes"] + d["kv_cache_bytes"]
         seconds = max(d["bytes_per_token"] / plan["bandwidth"],
                       d["kernels_per_token"] * plan["seconds_per_kernel"])
@@ -346,6 +361,47 @@ def test_launch_cost_reports_every_figure(qwen_plan):
         update = plan["update"][name]
         assert update["kernels"] > 0 and update["bytes"] > 0 and update["matmul_flops"] > 0
     assert plan["generate"]["temp_bytes"] > 0 and plan["generate"]["kv_cache_bytes"] > 0
+
+
+def test_the_rollout_part_counts_what_the_static_engine_runs(qwen_plan):
+    """The rollout part's figures against the schedule, counted here from the lengths alone:
+    each pass (rows j, j + 2, …) runs trips of 16 decode steps until its longest row has ended,
+    every row a token step each; the true floor sums, over the steps each row is live, the
+    weights once, each live group's 256-token prompt KV once and each live row's completion KV
+    so far."""
+    stdout, plan = qwen_plan
+    rollout = plan["rollout"]
+    static, detail = rollout["static"], rollout["static_detail"]
+    assert rollout["schedule"]["lengths"] == list(ROLLOUT_LENGTHS)
+    assert set(static) == {"bytes_per_kept_token", "floor_bytes_per_kept_token",
+                           "kernels_per_kept_token", "efficiency", "decode_steps"}
+    lengths, per_pass, trip = np.array(ROLLOUT_LENGTHS), ROLLOUT_ROWS_PER_PASS, 16
+    passes = len(lengths) // per_pass
+    forward = [trip * -(-(lengths[j::passes].max() - 1) // trip) for j in range(passes)]
+    kept = lengths.sum()
+    assert detail["tokens_per_loop_trip"] == trip and detail["rows_per_pass"] == per_pass
+    assert static["decode_steps"] == sum(1 + f for f in forward)
+    assert static["efficiency"] == kept / (per_pass * sum(1 + f for f in forward))
+    # Each forward pass costs the decode step of a 4-row pass: more than a 1-row step moves,
+    # less than a 64-row one.
+    step_bytes = static["bytes_per_kept_token"] * kept / sum(forward)   # a few roundings
+    assert step_bytes == pytest.approx(detail["bytes_per_step"], rel=1e-12)
+    one, many = (_default_decode(plan, b)["bytes_per_token"] for b in (1, 64))
+    assert one < step_bytes < many
+    assert static["kernels_per_kept_token"] * kept / sum(forward) == pytest.approx(
+        detail["kernels_per_step"], rel=1e-12)
+    # The true floor, step by step: weights (the tied embedding among them) once per step.
+    weights = _default_decode(plan, 1)["weight_bytes_read"]
+    kv_per_token = 3 * 2 * 128 * 2 * 2   # layers × KV heads × head width × K and V × bf16
+    floor = 0
+    for s in range(1, lengths.max()):
+        live = [r for r, n in enumerate(lengths) if n > s]
+        groups = {r // 2 for r in live}
+        floor += weights + kv_per_token * (256 * len(groups) + s * len(live))
+    # The same ~700 terms summed in float64 in another order: 700 × 2⁻⁵³ ≈ 1e-13 relative.
+    assert static["floor_bytes_per_kept_token"] == pytest.approx(floor / kept, rel=1e-12)
+    assert static["bytes_per_kept_token"] > static["floor_bytes_per_kept_token"]
+    assert f"{static['efficiency']:.3f}" in stdout.split("rollout of 8 rows")[1]
 
 
 def _default_decode(plan, batch):
@@ -404,6 +460,8 @@ def test_logra_update_moves_no_more_bytes_than_adamw(qwen_plan):
     (("--target", "h300-8"), "unknown target 'h300-8'"),
     (("--target", "h200-8", "--batches", "1,zero"), "--batches 1,zero: expected positive integers"),
     (("--target", "h200-8", "--modes", "fast"), "--modes fast: expected some of"),
+    (("--target", "h200-8", "--parts", "rollout", "--schedule", "lognormal:two"),
+     "--schedule lognormal:two: expected lognormal:M with a median M ≥ 1"),
 ])
 def test_bad_input_is_one_error_line(args, cause):
     result = _cost_cli("--config", "configs/tiny.py", *args)
@@ -501,3 +559,55 @@ def test_peak_breakdown_of_generate_adds_up_to_xlas_memory_analysis(tmp_path):
     assert total == (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
                      + m.temp_size_in_bytes)
     assert total == sum(size for _, size in entries)
+
+
+# ----------------------------------------------------------------------------------------------
+# What the floors count, and the rollout part's schedules (no compile)
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_decode_step_reads_an_untied_input_embedding_only_at_its_rows(tied):
+    """A tied table is the head, read whole every step; an untied one is only looked up: a step
+    of ``rows`` rows reads rows × one row of it (the tiny config: 49,152 × 64, bf16)."""
+    from configs import tiny
+    from logra_jax import model_shapes
+    from logra_jax.perf import gpu_programs, memory
+    from logra_jax.rl.build import build_mesh
+    config = tiny.get_config()
+    config.model.tiny.tie_embeddings = tied
+    mesh = build_mesh({"fsdp": 1, "tensor": 1}, machines.machine("h200-8").jax_devices()[:1])
+    rows = 4
+    weights = memory.lower_generate(config, mesh, rows=rows).weights
+    model = model_shapes.model_config_from(config.model)
+    held = memory.device_bytes(weights)
+    table = 49152 * 64 * BF16
+    read = gpu_programs.weight_bytes_read(weights, model, rows)
+    assert read == (held if tied else held - table + rows * 64 * BF16)
+
+
+def test_the_lognormal_schedule_is_reproducible_and_capped():
+    from logra_jax.perf import gpu_programs
+    described, lengths = gpu_programs.completion_schedule("lognormal:200", 4096, 1536)
+    assert gpu_programs.completion_schedule("lognormal:200", 4096, 1536)[1] == lengths
+    assert described["lengths"] == lengths and len(lengths) == 4096
+    assert min(lengths) >= 1 and max(lengths) == 1536   # e^Z > 7.68 for 2 % of the rows
+    # Its median is M: the sample median of 4,096 draws lies within 4 % of it (the median's
+    # standard error is σ·sqrt(π/2)/sqrt(n) = 2 % in log space).
+    assert 200 / 1.04 < np.median(lengths) < 200 * 1.04
+
+
+@pytest.mark.parametrize("text, cause", [
+    ("3\n0\n", "line 2: '0' is not a completion length 1 … 8"),
+    ("3\nfour\n", "line 2: 'four' is not a completion length"),
+    ("3\n9\n", "line 2: '9' is not a completion length 1 … 8"),
+    ("3\n\n4\n", "2 lengths for a rollout of 3 rows"),
+])
+def test_a_schedule_file_holds_one_length_per_row(tmp_path, text, cause):
+    from logra_jax.perf import gpu_programs
+    path = tmp_path / "lengths.txt"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=cause):
+        gpu_programs.completion_schedule(str(path), 3, 8)
+    path.write_text("3\n\n8\n1\n")
+    assert gpu_programs.completion_schedule(str(path), 3, 8)[1] == [3, 8, 1]
+    with pytest.raises(ValueError, match="neither lognormal:M nor a readable file"):
+        gpu_programs.completion_schedule(str(tmp_path / "missing.txt"), 3, 8)

@@ -15,6 +15,7 @@ from logra_jax.rl.sampler import (Sampler, filter_logits, first_argmax, gumbel_m
                                   pad_prompts)
 
 PROMPT_LEN, STEPS, PAD = 8, 6, 0
+EOS_OFTEN = list(range(1, 96, 2))   # half the vocabulary ends a row
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +46,43 @@ def greedy_by_recompute(policy, params, prompt, steps):
         logits = _logits_without_cache(policy, params, tokens)
         seq.append(int(jnp.argmax(logits[0, len(seq) - 1])))
     return seq[len(prompt):]
+
+
+def kept_lengths(tokens, eos_ids, steps: int) -> np.ndarray:
+    """Each row's completion length read from its tokens alone: through its first EOS, else all
+    ``steps`` (the masks are not read)."""
+    lengths = []
+    for row in np.asarray(tokens)[:, :steps]:
+        ends = np.flatnonzero(np.isin(row, eos_ids))
+        lengths.append(ends[0] + 1 if ends.size else steps)
+    return np.array(lengths)
+
+
+def steps_each_pass_runs(lengths, passes: int, chunk: int | None = None) -> np.ndarray:
+    """[b]: the token steps of the pass holding each row (pass j holds rows j, j + passes, …): a
+    draw from the prefill, then one per forward pass until its longest row has ended, L_max in
+    all; in ``chunk``-step chunks the last chunk's discarded steps too."""
+    lengths = np.asarray(lengths)
+    longest = np.array([lengths[j::passes].max() for j in range(passes)])
+    if chunk:
+        longest = 1 + chunk * -(-(longest - 1) // chunk)
+    return longest[np.arange(len(lengths)) % passes]
+
+
+def check_work_metrics(out, eos_ids, steps: int, passes: int, chunk: int | None = None):
+    """`SampleOutput.token_steps` and `rollout.work_metrics` of ``out`` against the counts its
+    tokens give."""
+    from logra_jax.rl.rollout import work_metrics
+    lengths = kept_lengths(out.tokens, eos_ids, steps)
+    np.testing.assert_array_equal(np.asarray(out.mask).sum(axis=1), lengths)
+    expected = steps_each_pass_runs(lengths, passes, chunk)
+    np.testing.assert_array_equal(out.token_steps, expected)
+    rows, window = out.prompt_tokens.shape
+    metrics = work_metrics(np.asarray(out.mask), np.asarray(out.token_steps), window)
+    assert metrics == {"rollout/kept_tokens": lengths.sum(), "rollout/decode_row_steps": expected.sum(),
+                       "rollout/efficiency": lengths.sum() / expected.sum(),
+                       "rollout/prefill_tokens": rows * PROMPT_LEN}
+    return metrics
 
 
 def test_greedy_with_cache_equals_recompute(setup):
@@ -189,13 +227,17 @@ def test_passes_of_rows_draw_the_one_pass_tokens_in_less_memory(setup):
     outs, temporaries = [], []
     for per_pass in (0, 8):
         sampler = Sampler(policy, max_prompt_length=PROMPT_LEN, max_completion_length=2 * STEPS,
-                          eos_ids=list(range(3, 96, 9)), pad_id=PAD, rows_per_pass=per_pass)
+                          eos_ids=EOS_OFTEN, pad_id=PAD, rows_per_pass=per_pass)
         compiled = sampler.program.lower(*args, top_k=0, top_p=1.0, greedy=False).compile()
         outs.append(compiled(*args))
         temporaries.append(compiled.memory_analysis().temp_size_in_bytes)
     one, passes = outs
     lengths = np.asarray(one.mask).sum(axis=1)
     assert len(set(lengths.tolist())) > 2, lengths   # rows end at different steps
+    # The work each ran: every row of a pass stepped until the pass's longest row ended.
+    eos = EOS_OFTEN
+    assert check_work_metrics(one, eos, 2 * STEPS, 1)["rollout/efficiency"] < 1
+    check_work_metrics(passes, eos, 2 * STEPS, 2)
     for field in ("tokens", "mask", "finished", "prompt_tokens", "prompt_mask"):
         np.testing.assert_array_equal(getattr(passes, field), getattr(one, field), err_msg=field)
     # Log-probs: the same arithmetic on a batch of another size (a kernel may block it otherwise).
@@ -429,6 +471,10 @@ def test_chunked_decoding_draws_the_per_token_loops_tokens(setup, monkeypatch):
         for field in ("tokens", "logprobs", "mask", "finished"):
             np.testing.assert_array_equal(getattr(chunked, field), getattr(per_token, field),
                                           err_msg=f"{field} {kwargs}")
+        # The steps each loop ran: the chunked one to the end of its last chunk.
+        limit = kwargs.get("limit", steps)
+        check_work_metrics(per_token, eos, limit, 1)
+        check_work_metrics(chunked, eos, limit, 1, chunk=sampler_lib.DECODE_CHUNK)
     lengths = np.asarray(per_token.mask).sum(axis=1)
     assert np.asarray(run(False, greedy=True).mask)[1].sum() == 2 and lengths.max() == 4
 

@@ -5,10 +5,13 @@ memory planner lowers it (memory.py: ``lower_generate``, ``lower_update``), comp
 of a GPU target's devices without a GPU, and read by gpu_cost.py:
 
 - a decode step (one token for every row) of the compiled ``generate``, found in its token loop:
-  kernels (and by kind), kernels per layer, host syncs, bytes against the floor, and the
+  kernels (and by kind), kernels per layer, host syncs, bytes against the whole-cache floor, and the
   predicted tokens/s (gpu_cost.predicted_tokens_per_s);
 - the update, the config's optimizer beside AdamW: kernels, bytes, matmul FLOPs;
-- the config's own rollout pass: XLA's temporaries beside its KV cache.
+- the config's own rollout pass: XLA's temporaries beside its KV cache;
+- a whole rollout of the config's batch by the static engine, for a schedule of completion
+  lengths (`completion_schedule`, `static_rollout`): bytes and kernels per kept token against
+  the true floor, and the share of the executed row-steps that drew a kept token.
 
 **Per layer.** From 3 layers on, XLA's kernels per decode step grow by the same amount for every
 layer a model has (measured, both modes: Qwen2.5-1.5B's shape at 3, 4 and 28 layers; SmolLM2-135M's
@@ -16,19 +19,31 @@ at 3–6, 8 and 30; a 2-layer stacked program differs, a 1-layer one more). The 
 that amount: the step at 4 layers less the step at 3, of the same model (a published shape's fields
 on the tiny source, with tiny's vocabulary: the vocabulary does not enter a layer).
 
-**The floor** of a step, per GPU: its share of the bf16 weights (the weights read once over the
-mesh: each GPU reads what it holds, as XLA's FSDP decode does, or gathers as much from the others)
-plus its rows' KV cache, read once.
+**The weights a decode step reads**, per GPU (`weight_bytes_read`): its share of the bf16 weights
+(read once over the mesh: each GPU reads what it holds, as XLA's FSDP decode does, or gathers as
+much from the others), except an untied input-embedding table, of which a step looks up only its
+rows' entries (rows × one row's share). A tied table is the head and is read whole.
+
+**Two floors.** The decode part's ``floor_bytes_per_token`` is the whole-cache floor of today's
+program: those weights once plus every slot of its rows' KV cache once (the static program's
+attention reads every slot, masked). The true floor of a step (`true_floor_bytes`) reads only
+what the step's tokens attend to: the weights once, each group's prompt KV once (a group's rows
+share one prompt), and each live row's own completion KV so far.
 """
 
 from __future__ import annotations
 
+import math
+from typing import NamedTuple
+
 import jax
 import ml_collections
+import numpy as np
 
 from logra_jax import model_shapes
 from logra_jax.perf import gpu_cost, machines, memory, oom
 from logra_jax.rl.sampler import Sampler
+from logra_jax.tree_paths import leaves_with_paths
 
 MARGINAL_LAYERS = (3, 4)
 
@@ -90,12 +105,39 @@ def default_decode_mode(config: ml_collections.ConfigDict, mesh, rows: int) -> s
     raise RuntimeError("decode_weights=auto lowered to none of the modes' programs")
 
 
+INPUT_EMBEDDING = "embed_tokens/embedding"   # the table a decode step looks its tokens up in
+
+
+def weight_bytes_read(weights: dict, model, rows: int) -> int:
+    """Per GPU, the bytes of ``weights`` (the sampler's, as `memory.lower_generate` lays them
+    out) that a decode step of ``rows`` rows reads: all of them, except that of an untied input
+    embedding only the rows it looks up, ``rows`` × one row's share of this GPU's part."""
+    held = memory.device_bytes(weights)
+    if model.tie_embeddings:
+        return held   # the table is also the head: the step reads it whole
+    tables = [leaf for path, leaf in leaves_with_paths(weights) if path == INPUT_EMBEDDING]
+    if len(tables) != 1:
+        raise ValueError(f"an untied model's weights hold no {INPUT_EMBEDDING!r} table")
+    table = memory.device_bytes(tables[0])
+    return held - table + rows * table // model.vocab_size
+
+
+class DecodeProgram(NamedTuple):
+    """A compiled ``generate``'s decode step and what the floors count, per GPU."""
+
+    step: gpu_cost.StepCost
+    temp_bytes: int          # XLA's temporaries of the whole program
+    weight_bytes: int        # the weights the GPU holds
+    weight_bytes_read: int   # what a decode step must read of them (`weight_bytes_read`)
+    kv_cache_bytes: int      # its rows' whole cache: prompt window + completion, every slot
+    weights: dict            # the abstract weights ``generate`` samples with
+
+
 _STEPS: dict = {}   # one compile per (model, rollout settings, mesh, rows, mode)
 
 
-def decode_step(config: ml_collections.ConfigDict, mesh, rows: int, mode: str):
-    """(gpu_cost.StepCost, the program's temporaries, (weight bytes, KV-cache bytes) of the floor)
-    of one decode step of the config's ``generate`` for ``rows`` rows in ``mode``, per GPU."""
+def decode_step(config: ml_collections.ConfigDict, mesh, rows: int, mode: str) -> DecodeProgram:
+    """One decode step of the config's ``generate`` for ``rows`` rows in ``mode``, per GPU."""
     key = (str(config.model), str(config.rl), str(mesh), rows, mode)
     if key not in _STEPS:
         model = model_shapes.model_config_from(config.model)
@@ -105,8 +147,10 @@ def decode_step(config: ml_collections.ConfigDict, mesh, rows: int, mode: str):
                                     hidden_size=model.hidden_size, shards=mesh.size)
         rl = config.rl
         kv = memory.kv_cache_bytes(model, rows, rl.max_prompt_length + rl.max_completion_length, mesh)
-        _STEPS[key] = (step, compiled.memory_analysis().temp_size_in_bytes,
-                       (memory.device_bytes(generate.weights), kv))
+        _STEPS[key] = DecodeProgram(step, compiled.memory_analysis().temp_size_in_bytes,
+                                    memory.device_bytes(generate.weights),
+                                    weight_bytes_read(generate.weights, model, rows), kv,
+                                    generate.weights)
     return _STEPS[key]
 
 
@@ -123,10 +167,10 @@ def decode_figures(config: ml_collections.ConfigDict, mesh, target, batches, mod
     out = []
     for batch in batches:
         for mode in modes:
-            step, temp, (weights, kv) = decode_step(config, mesh, batch, mode)
-            fewer = decode_step(fewer_layers, mesh, batch, mode)[0]
-            more = decode_step(more_layers, mesh, batch, mode)[0]
-            floor = weights + kv
+            step, temp, weights, read, kv, _ = decode_step(config, mesh, batch, mode)
+            fewer = decode_step(fewer_layers, mesh, batch, mode).step
+            more = decode_step(more_layers, mesh, batch, mode).step
+            floor = read + kv   # the whole-cache floor (module docstring)
             out.append(dict(
                 batch=batch, mode=mode, default=mode == default,
                 kernels_per_token=step.kernels,
@@ -141,7 +185,8 @@ def decode_figures(config: ml_collections.ConfigDict, mesh, target, batches, mod
                 launch_bound=step.kernels * gpu_cost.SECONDS_PER_KERNEL > step.bytes / bandwidth,
                 kernels_by_kind=step.kernels_by_kind(), bytes_by_kind=step.bytes_by_kind(),
                 token_loop=step.loop, tokens_per_loop_trip=step.tokens_per_trip,
-                weight_bytes=weights, kv_cache_bytes=kv, temp_bytes=temp, layers=layers))
+                weight_bytes=weights, weight_bytes_read=read, kv_cache_bytes=kv, temp_bytes=temp,
+                layers=layers))
     return out, default
 
 
@@ -174,3 +219,144 @@ def generate_figures(config: ml_collections.ConfigDict, mesh) -> dict:
     return dict(rows=generate.rows, rows_per_pass=per_pass,
                 temp_bytes=compiled.memory_analysis().temp_size_in_bytes, kv_cache_bytes=kv,
                 weight_bytes=memory.device_bytes(generate.weights))
+
+
+SCHEDULE_SEED = 0   # numpy's generator for lognormal:M: the same lengths on every run
+
+
+def completion_schedule(text: str, rows: int, max_length: int) -> tuple[dict, list[int]]:
+    """(a description, the completion length of each of ``rows`` rows) for `launch.cost`'s
+    ``--schedule``, each 1 … ``max_length``:
+
+    - "lognormal:M": round(M·e^Z) per row, Z ~ N(0, 1) (median M, σ 1), clipped to 1 …
+      ``max_length``, the Z from numpy's ``default_rng(SCHEDULE_SEED)``: the same lengths on
+      every run;
+    - a file of one integer per line (blank lines skipped), exactly one per row.
+
+    ValueError naming the cause (and the line) otherwise."""
+    if text.startswith("lognormal:"):
+        try:
+            median = float(text.split(":", 1)[1])
+        except ValueError:
+            median = 0.0
+        if not median >= 1:
+            raise ValueError(f"--schedule {text}: expected lognormal:M with a median M ≥ 1 tokens, "
+                             f"e.g. lognormal:200")
+        z = np.random.default_rng(SCHEDULE_SEED).standard_normal(rows)
+        lengths = np.clip(np.rint(median * np.exp(z)), 1, max_length).astype(int)
+        return (dict(spec=text, kind="lognormal", median=median, sigma=1.0, seed=SCHEDULE_SEED,
+                     cap=max_length, lengths=lengths.tolist()), lengths.tolist())
+    try:
+        with open(text) as f:
+            lines = [(n, line.strip()) for n, line in enumerate(f, 1) if line.strip()]
+    except OSError as e:
+        raise ValueError(f"--schedule {text}: neither lognormal:M nor a readable file "
+                         f"({e.strerror})") from None
+    lengths = []
+    for n, line in lines:
+        try:
+            length = int(line)
+        except ValueError:
+            length = 0
+        if not 1 <= length <= max_length:
+            raise ValueError(f"--schedule {text}, line {n}: {line!r} is not a completion length "
+                             f"1 … {max_length} (rl.max_completion_length)")
+        lengths.append(length)
+    if len(lengths) != rows:
+        raise ValueError(f"--schedule {text}: {len(lengths)} lengths for a rollout of {rows} rows "
+                         f"(data.prompts_per_step × rl.num_generations); give one per row")
+    return dict(spec=text, kind="file", lengths=lengths), lengths
+
+
+def true_floor_bytes(*, weights_read: float, kv_per_token: float, prompt_length: int,
+                     live_groups: int, completion_tokens: int) -> float:
+    """What a decode step must read at least, per GPU (the true floor of the module docstring):
+
+        weights_read + kv_per_token × (prompt_length × live_groups + completion_tokens)
+
+    ``weights_read``: `weight_bytes_read` at the step's live rows; ``kv_per_token``: one token's
+    K and V over every layer; ``live_groups``: the groups with a row still decoding (a group's
+    rows share one prompt, whose KV is read once); ``completion_tokens``: the live rows'
+    completion tokens so far, each row's own KV."""
+    return weights_read + kv_per_token * (prompt_length * live_groups + completion_tokens)
+
+
+def static_rollout(config: ml_collections.ConfigDict, mesh, lengths) -> tuple[dict, dict]:
+    """A whole rollout of ``config``'s batch by today's static engine, for completion ``lengths``
+    (the tokens each row keeps, EOS included: [prompts_per_step × num_generations], a group's
+    rows adjacent), per GPU. Returns (figures, the detail they come from).
+
+    The engine: the batch in passes of ``rl.rollout_micro_batch`` rows (all rows when 0), pass j
+    holding rows j, j + k, j + 2k, … (k passes, as `Sampler`'s ``rows_per_pass``). A pass prefills,
+    draws every row's first token from the prefill, then runs trips of its token loop until its
+    longest row (L_max) has ended: T = the loop's tokens per trip (16 on a GPU), so
+    F = T·⌈(L_max − 1)/T⌉ decode forward passes and 1 + F token steps for each of its rows
+    (`SampleOutput.token_steps`). Each forward pass costs the bytes and kernels per token of the
+    decode step XLA:GPU compiles, deviceless, for a one-pass ``generate`` of that many rows in the
+    mode a plan compiles (`decode_step`). The prefill (and the first draw) is not counted.
+
+    - ``bytes_per_kept_token`` = Σ_passes F × bytes per step ÷ kept tokens;
+    - ``kernels_per_kept_token`` = Σ_passes F × kernels per step ÷ kept tokens;
+    - ``floor_bytes_per_kept_token`` = Σ_s `true_floor_bytes` ÷ kept tokens, the batch decoded
+      as one by an ideal engine: at forward pass s = 1 … max(lengths) − 1 the rows still live
+      (L > s) read the weights once, their groups' prompt windows (rl.max_prompt_length tokens:
+      no prompt lengths are known here) once, and s completion tokens each;
+    - ``efficiency`` = kept tokens ÷ executed row-steps (rows per pass × token steps, summed);
+    - ``decode_steps`` = the token steps of all passes, one pass after the other.
+
+    Time follows as bytes ÷ bandwidth or kernels × seconds per kernel (`gpu_cost`'s model), per
+    kept token."""
+    rl = config.rl
+    rows = config.data.prompts_per_step * rl.num_generations
+    lengths = np.asarray(lengths, np.int64)
+    if lengths.shape != (rows,):
+        raise ValueError(f"{lengths.size} completion lengths for a rollout of {rows} rows")
+    if lengths.min() < 1 or lengths.max() > rl.max_completion_length:
+        raise ValueError(f"completion lengths must be 1 … rl.max_completion_length="
+                         f"{rl.max_completion_length}, got {lengths.min()} … {lengths.max()}")
+    per_pass = rl.rollout_micro_batch or rows
+    if rows % per_pass:
+        raise ValueError(f"rl.rollout_micro_batch={per_pass} does not divide the {rows}-row batch")
+    passes = rows // per_pass
+    one = one_pass(config)
+    mode = default_decode_mode(one, mesh, per_pass)
+    program = decode_step(one, mesh, per_pass, mode)
+    step = program.step
+    if not step.dynamic:
+        raise ValueError("the token loop of the compiled generate has a fixed trip count: a pass "
+                         "would not stop when its rows end")
+    per_trip = round(step.tokens_per_trip)
+    detail_passes = []
+    for j in range(passes):
+        longest = int(lengths[j::passes].max())
+        forward = per_trip * math.ceil((longest - 1) / per_trip)
+        detail_passes.append(dict(rows=per_pass, longest=longest, token_steps=1 + forward,
+                                  forward_passes=forward))
+    kept = int(lengths.sum())
+    forward = sum(p["forward_passes"] for p in detail_passes)
+    token_steps = sum(p["token_steps"] for p in detail_passes)
+
+    # The ideal engine's steps: every row of the batch at once, each only while it is live.
+    model = model_shapes.model_config_from(config.model)
+    weights_fixed = weight_bytes_read(program.weights, model, 0)
+    weights_per_row = weight_bytes_read(program.weights, model, 1) - weights_fixed
+    kv_per_token = memory.kv_cache_bytes(model, rows, 1, mesh) / rows
+    s = np.arange(1, int(lengths.max()))[:, None]
+    live = lengths[None, :] > s                                      # [steps, rows]
+    live_rows = live.sum(axis=1)
+    live_groups = live.reshape(len(s), -1, rl.num_generations).any(axis=2).sum(axis=1)
+    floor = sum(true_floor_bytes(weights_read=weights_fixed + n * weights_per_row,
+                                 kv_per_token=kv_per_token, prompt_length=rl.max_prompt_length,
+                                 live_groups=int(g), completion_tokens=int(step_s * n))
+                for step_s, n, g in zip(s[:, 0], live_rows, live_groups))
+    figures = dict(bytes_per_kept_token=forward * step.bytes / kept,
+                   floor_bytes_per_kept_token=floor / kept,
+                   kernels_per_kept_token=forward * step.kernels / kept,
+                   efficiency=kept / (per_pass * token_steps),
+                   decode_steps=token_steps)
+    detail = dict(mode=mode, rows=rows, rows_per_pass=per_pass, kept_tokens=kept,
+                  passes=detail_passes, forward_passes=forward, tokens_per_loop_trip=per_trip,
+                  bytes_per_step=step.bytes, kernels_per_step=step.kernels,
+                  weight_bytes_read=program.weight_bytes_read, kv_bytes_per_token=kv_per_token,
+                  floor_bytes=floor)
+    return figures, detail

@@ -63,7 +63,8 @@ class Grader:
 @dataclasses.dataclass
 class Rollouts:
     """A step's completions: the arrays are global (every row, on the mesh); ``texts`` and
-    ``golds`` are this process's ``rows`` only, which is all of them with one process."""
+    ``golds`` are this process's ``rows`` only, which is all of them with one process.
+    ``token_steps``: the sampler's count of the steps each row's pass ran (`SampleOutput`)."""
 
     seqs: Sequences
     rollout_logp: jax.Array
@@ -71,6 +72,28 @@ class Rollouts:
     texts: list[str]
     golds: list[str]
     rows: slice
+    token_steps: jax.Array
+
+
+def work_metrics(completion_mask: np.ndarray, token_steps: np.ndarray,
+                 prompt_window: int) -> dict[str, float]:
+    """What a rollout's sampling spent against what it kept, every row's (host arrays):
+
+    - ``rollout/kept_tokens``: completion tokens kept, Σ mask (each row's up to and including EOS);
+    - ``rollout/decode_row_steps``: row-steps the decode executed, Σ token_steps: for each pass,
+      its rows × the token steps it ran (`SampleOutput.token_steps`: one draw per row and step,
+      the first from the prefill's logits, each later one after a forward pass), passes summed;
+    - ``rollout/efficiency`` = kept / executed: 1 when every executed row-step drew a kept
+      token; a static pass runs every row until its longest ends, and a GPU to the end of a
+      16-step chunk;
+    - ``rollout/prefill_tokens``: prompt tokens prefilled, rows × ``prompt_window``: every row
+      prefills the whole left-padded window, its group's prompt G times over.
+    """
+    kept = int(np.sum(completion_mask))
+    executed = int(np.sum(token_steps))
+    return {"rollout/kept_tokens": kept, "rollout/decode_row_steps": executed,
+            "rollout/efficiency": kept / executed,
+            "rollout/prefill_tokens": int(completion_mask.shape[0]) * int(prompt_window)}
 
 
 def prompt_text(example, tokenizer, spec: RolloutSpec) -> str:
@@ -134,7 +157,8 @@ def collect_rollouts(sampler: Sampler, params, tokenizer, examples, spec: Rollou
                                host_arrays.local_rows(out.mask), sampler.eos_ids)
     golds = [ex["answer"] for ex in local for _ in range(g)]
     return Rollouts(seqs=seqs, rollout_logp=out.logprobs, completed=out.finished, texts=texts,
-                    golds=golds, rows=slice(mine.start * g, mine.stop * g))
+                    golds=golds, rows=slice(mine.start * g, mine.stop * g),
+                    token_steps=out.token_steps)
 
 
 class RolloutSource(Protocol):

@@ -48,6 +48,14 @@ class SampleOutput:
     ``logprobs`` are log softmax(logits / temperature) of the sampled token, before top-k/top-p
     truncation: with temperature 1 they are the model's own log-probs, which is what the RL losses
     compare against. ``mask`` is True for generated tokens up to and including EOS.
+
+    ``token_steps`` is the work the decode loop ran, counted by the program's own loop (not
+    inferred from the masks): for each row, the token steps of the pass that drew it, one draw for
+    every row of that pass each, the first from the prefill's logits and every later one after a
+    decode forward pass. A pass runs until its longest row ends, so a row of L kept tokens in a
+    pass whose longest row keeps L_max cost L_max steps (L_max − 1 forward passes), and a GPU's
+    16-token chunks also run the discarded steps of the last chunk: 1 + 16·⌈(L_max − 1)/16⌉.
+    Σ token_steps = the row-steps executed (`rollout.work_metrics`).
     """
 
     prompt_tokens: jax.Array      # [b, P] left-padded
@@ -56,6 +64,7 @@ class SampleOutput:
     logprobs: jax.Array           # [b, C] float32
     mask: jax.Array               # [b, C] bool
     finished: jax.Array           # [b] bool: the row emitted EOS
+    token_steps: jax.Array        # [b] int32: token steps its pass ran (forward passes + 1)
 
 
 def decode_completions(tokenizer, tokens: np.ndarray, mask: np.ndarray, eos_ids) -> list[str]:
@@ -502,11 +511,20 @@ class Sampler:
             return choose(step + 1, cache, model.vocab_major_logits(hidden[:, -1]), done,
                           position + 1, key, tokens, logprobs, mask, active)
 
+        def counted(body, forward_passes):
+            """(the carry after ``body`` ran while a draw is due, the forward passes it ran): the
+            count is the loop's own, ``forward_passes`` per trip, kept on the device."""
+            def loop(carry):
+                return jax.lax.while_loop(lambda c: more(c[0]),
+                                          lambda c: (body(c[0]), c[1] + forward_passes),
+                                          (carry, jnp.int32(0)))
+            return loop
+
         def per_token(carry):
             """A forward pass runs only for a draw that reads its logits: C tokens take the
             prefill and at most C − 1 decode passes, and none follows the draw that ends the
             last row."""
-            return jax.lax.while_loop(more, decode, carry)
+            return counted(decode, 1)(carry)
 
         def in_chunks(carry):
             """DECODE_CHUNK decode steps at a time, each recording its draw only while one is
@@ -517,14 +535,15 @@ class Sampler:
             cache writes land past every slot a recorded draw read)."""
             def chunk(carry):
                 return jax.lax.fori_loop(0, DECODE_CHUNK, lambda _, c: decode(c, chunked=True), carry)
-            return jax.lax.while_loop(more, chunk, carry)
+            return counted(chunk, DECODE_CHUNK)(carry)
 
         first = choose(jnp.int32(0), cache, last_logits, jnp.zeros((batch,), bool), next_position,
                        rng, jnp.full((batch, steps), self.pad_id, jnp.int32),
                        jnp.zeros((batch, steps), jnp.float32), jnp.zeros((batch, steps), bool))
         # A GPU checks the loop's condition on the host: per chunk there, per token elsewhere
         # (XLA:CPU runs the loop on the host anyway, a TPU evaluates the condition on the chip).
-        _, _, done, _, _, tokens, logprobs, mask, _, _ = jax.lax.platform_dependent(
+        (_, _, done, _, _, tokens, logprobs, mask, _, _), forward_passes = jax.lax.platform_dependent(
             first, default=per_token, **dict.fromkeys(CHUNKED_PLATFORMS, in_chunks))
         return SampleOutput(prompt_tokens=prompt_tokens, prompt_mask=prompt_mask, tokens=tokens,
-                            logprobs=logprobs, mask=mask, finished=done)
+                            logprobs=logprobs, mask=mask, finished=done,
+                            token_steps=jnp.full((batch,), forward_passes + 1, jnp.int32))

@@ -32,7 +32,7 @@ from logra_jax import metrics as metrics_lib
 from logra_jax.rl import assembly, build, stopping
 from logra_jax.rl import workdir as workdir_lib
 from logra_jax.rl.assembly import RunParts
-from logra_jax.rl.rollout import Rollouts, collect_rollouts
+from logra_jax.rl.rollout import Rollouts, collect_rollouts, work_metrics
 from logra_jax.rl.update import TrainBatch
 from logra_jax.tree_paths import nonfinite_leaves
 
@@ -57,12 +57,14 @@ def step_row(t: RunParts, step: int, update_metrics, r: np.ndarray, ro: Rollouts
              times: dict[str, float]) -> dict[str, Any]:
     """The metrics row of one step: the update's, the rollouts', the optimizer's and the clocks;
     ``r``: every row's reward. The same on every process."""
-    mask, completed = host_arrays.to_host((ro.seqs.completion_mask, ro.completed))
+    mask, completed, token_steps = host_arrays.to_host(
+        (ro.seqs.completion_mask, ro.completed, ro.token_steps))
     lengths = mask.sum(axis=1)
     row = dict(update_metrics, reward=float(r.mean()), reward_std=float(r.std()),
                accuracy=float(np.mean(r >= 1.0)),
                **{"completions/mean_length": float(lengths.mean()),
                   "completions/clipped_ratio": float(1.0 - completed.mean())},
+               **work_metrics(mask, token_steps, ro.seqs.prompt_length),
                **times)
     row.update(jax.device_get(t.optimizer.metrics(opt_state)))
     row["learning_rate"] = float(t.optimizer.learning_rate(step - 1))
@@ -335,8 +337,8 @@ class Run:
             with _timed(times, "time/rollout"):
                 ro = collect_rollouts(t.sampler, rollouts.weights, t.tokenizer, data.next(),
                                       t.rollout_spec, rng, rollouts.batch_sharding)
-                ro.seqs, ro.rollout_logp, ro.completed = jax.device_put(
-                    (ro.seqs, ro.rollout_logp, ro.completed), t.batch_sharding)
+                ro.seqs, ro.rollout_logp, ro.completed, ro.token_steps = jax.device_put(
+                    (ro.seqs, ro.rollout_logp, ro.completed, ro.token_steps), t.batch_sharding)
 
             # 2. Rewards (each process grades its own rows) and advantages (from every row's:
             #    a GRPO group is whole, REINFORCE's baseline sees the whole batch).
