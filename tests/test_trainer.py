@@ -381,10 +381,13 @@ def test_a_step_at_temperature_0_7_scores_what_the_sampler_drew(tmp_path):
     """rl.temperature = 0.7: the sampler records log softmax(z / 0.7) of each drawn token and the
     update scores the same tokens at 0.7, so the first step's sampler/trainer gap, measured before
     any update (REINFORCE's rollout_mismatch), is rounding. A sampler returning temperature-1
-    log-probs would put it near the two distributions' gap instead."""
+    log-probs would put it near the two distributions' gap instead. The KL safeguard measures its
+    candidate at 0.7 too: what it checked is what the step realized (a KL at temperature 1 is
+    about twice that one here: (1/0.7)² for a small step)."""
     config = make_config("logra-kl", max_steps=1, rl=dict(temperature=0.7))
     run = trainer_lib.Run(config, tmp_path)
     run.loop()
     run.close()
     (row,) = metrics.read_jsonl(tmp_path / "metrics.jsonl")
     assert abs(row["rollout_mismatch"]) < 1e-5, row
+    _assert_the_safeguard_measured_each_step([row])
