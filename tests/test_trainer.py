@@ -14,7 +14,7 @@ from logra_jax import config as config_lib, metrics
 from logra_jax.optim import PredictedKLState, logra_metrics
 from logra_jax.rl import algorithms, assembly, build
 from logra_jax.rl import trainer as trainer_lib
-from logra_jax.rl.rollout import collect_rollouts
+from logra_jax.rl.rollout import Grader, collect_rollouts
 from logra_jax.rl.update import TrainBatch
 from tiny_config import VARIANTS, flat_params as _flat, make_config
 
@@ -336,6 +336,47 @@ def test_nonfinite_updates_are_skipped_and_never_reach_a_checkpoint(name, parts_
     saved.close()
     for path in two:
         np.testing.assert_array_equal(two[path], three[path], err_msg=path)
+
+
+class _RaisesFrom(Grader):
+    """The run's grader, with a reward function that raises from its ``step``-th call on."""
+
+    def __init__(self, grader, step):
+        super().__init__(grader.failure_reward, grader.format_reward_weight, grader.task)
+        object.__setattr__(self, "calls", [])
+        object.__setattr__(self, "step", step)
+
+    def functions(self):
+        def mine(texts, golds):
+            self.calls.append(1)
+            if len(self.calls) >= self.step:
+                raise KeyError("score")
+            return [0.0] * len(texts)
+        return super().functions() + [("mine", 1.0, mine)]
+
+
+def test_a_reward_that_raises_before_the_first_checkpoint_leaves_the_workdir_as_it_was(parts_of,
+                                                                                      tmp_path):
+    """A reward function raising at step 2 of a fresh run that saves at step 3: one error naming
+    the step, the function, the task and the exception; step 1's row, config.json and the
+    tensorboard events (weights no checkpoint holds) are taken back, so the same command is not
+    refused for rows without a checkpoint and starts again."""
+    config = make_config("adamw", max_steps=3, checkpoint=dict(every=3),
+                         log=dict(tensorboard=True))
+    run = trainer_lib.Run(config, tmp_path / "w", parts=parts_of["adamw"])
+    grader = run.parts.grader
+    run.parts.grader = _RaisesFrom(grader, 2)
+    try:
+        with pytest.raises(ValueError) as caught:
+            run.loop()
+    finally:
+        run.parts.grader = grader      # the module's parts are shared
+        run.close()
+    assert str(caught.value) == ("step 2: reward function mine on data.task=chain_sum raised "
+                                 "KeyError: 'score'")
+    assert not (tmp_path / "w").exists(), sorted(p.name for p in (tmp_path / "w").iterdir())
+    again = trainer_lib.Run(config, tmp_path / "w", parts=parts_of["adamw"])   # not refused
+    again.close()
 
 
 def test_unknown_override_key_exits_with_its_name():

@@ -223,8 +223,12 @@ def build_rollout_spec(config: ml_collections.ConfigDict) -> RolloutSpec:
                        system_prompt=data.system_prompt or None, instruction=data.instruction or None)
 
 
-def build_grader(rl: ml_collections.ConfigDict) -> Grader:
+def build_grader(rl: ml_collections.ConfigDict,
+                 data: ml_collections.ConfigDict | None = None) -> Grader:
     """The math reward; what a wrong answer earns is the algorithm's (REINFORCE: ``rl.failure_reward``,
-    §7; GRPO: 0)."""
+    §7; GRPO: 0). ``data``: the prompts' section, to name their task when a reward fails."""
+    task = "the prompts"
+    if data is not None:
+        task = f"data.task={data.task}" if data.source == "task" else f"data.source={data.source}"
     return Grader(failure_reward=algorithms.get(rl.algorithm).failure_reward(rl),
-                  format_reward_weight=rl.format_reward_weight)
+                  format_reward_weight=rl.format_reward_weight, task=task)
