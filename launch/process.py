@@ -51,6 +51,11 @@ def setup(devices: int | None, *, verbose: bool = False) -> None:
     ``devices``: how many CPU devices to simulate; None leaves the count and XLA:CPU's pool as they
     are (a command that starts no backend of its own, or whose child processes set their own: they
     inherit this environment). ``verbose``: keep JAX's start-up messages and absl's log format."""
+    if devices is not None:   # a bad count is the user's: one line, before anything else
+        try:
+            devices = host_device_count(devices)
+        except SetupError as e:
+            sys.exit(f"error: {e}")
     if "jax" in sys.modules:
         raise RuntimeError("launch.process.setup must run before jax is imported: the device "
                            "count, the platform and XLA:CPU's pool are read when jax starts")
@@ -63,6 +68,26 @@ def setup(devices: int | None, *, verbose: bool = False) -> None:
     plain_log_lines(verbose)
 
 
+def host_device_count(default: int) -> int:
+    """The CPU devices to simulate: ``LOGRA_HOST_DEVICES`` if set, else ``default``. A value that
+    is not a whole number ≥ 1 is a `SetupError` naming it: ``int()``'s traceback otherwise, and
+    at 0 JAX fails to start a backend, which reads as a platform problem (JAX_PLATFORMS) that no
+    platform setting fixes."""
+    given = os.environ.get(HOST_DEVICES_ENV)
+    if given is None:
+        return default
+    try:
+        count = int(given.strip())
+    except ValueError:
+        raise SetupError(f"{HOST_DEVICES_ENV}={given!r} is not a whole number: it is how many CPU "
+                         f"devices XLA simulates; set it to 1 or more, or unset it (this "
+                         f"command's default: {default})") from None
+    if count < 1:
+        raise SetupError(f"{HOST_DEVICES_ENV}={given}: XLA simulates at least 1 CPU device; set "
+                         f"it to 1 or more, or unset it (this command's default: {default})")
+    return count
+
+
 def simulate_host_devices(count: int) -> int:
     """XLA:CPU simulates ``count`` devices (``LOGRA_HOST_DEVICES`` overrides it, and an ``XLA_FLAGS``
     that already sets a count wins over both), with a thread pool sized for them. Returns the count
@@ -72,7 +97,7 @@ def simulate_host_devices(count: int) -> int:
     if match:
         count = int(match.group(1))
     else:
-        count = int(os.environ.get(HOST_DEVICES_ENV, count))
+        count = host_device_count(count)
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
     size_cpu_thread_pool(count)
     return count

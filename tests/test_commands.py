@@ -134,3 +134,25 @@ def test_the_suite_leaves_no_temporary_folder(tmp_path):
                           timeout=300, env=env)
     assert done.returncode == 0, done.stdout[-3000:]
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("logra_")] == []
+
+
+@pytest.mark.parametrize("value, says", [
+    ("abc", "error: LOGRA_HOST_DEVICES='abc' is not a whole number: it is how many CPU devices XLA "
+            "simulates; set it to 1 or more, or unset it (this command's default: 8)"),
+    ("0", "error: LOGRA_HOST_DEVICES=0: XLA simulates at least 1 CPU device; set it to 1 or more, "
+          "or unset it (this command's default: 8)"),
+    ("-2", "error: LOGRA_HOST_DEVICES=-2: XLA simulates at least 1 CPU device; set it to 1 or "
+           "more, or unset it (this command's default: 8)")])
+def test_a_bad_host_device_count_is_one_error_line(value, says, monkeypatch):
+    """`setup` refuses a LOGRA_HOST_DEVICES that is no count first thing, as every command's one
+    line (int()'s traceback before; at 0, jax's failed start blamed on JAX_PLATFORMS). In this
+    process: the refusal comes before `setup` looks at jax, which the suite has imported."""
+    from launch import process
+    monkeypatch.setenv("LOGRA_HOST_DEVICES", value)
+    with pytest.raises(SystemExit) as done:
+        process.setup(8)
+    assert str(done.value.code) == says
+    monkeypatch.setenv("LOGRA_HOST_DEVICES", " 3 ")
+    assert process.host_device_count(8) == 3
+    monkeypatch.delenv("LOGRA_HOST_DEVICES")
+    assert process.host_device_count(8) == 8
