@@ -113,6 +113,9 @@ ROWS = [
     # model.tiny is the model config's keyword arguments: a key that is none of its fields.
     ("model-tiny-typo", dict(model=dict(tiny=dict(hiden_size=4))),
      "model.tiny.hiden_size is not a field of the model's config"),
+    # ... and a value its own checks refuse is named as the key typed, not ModelConfig's field.
+    ("model-tiny-heads", dict(model=dict(tiny=dict(num_heads=3))),
+     "model.tiny.num_heads (3) must be a multiple of model.tiny.num_kv_heads (2) for grouped-query"),
     ("rank-not-below-width", dict(optimizer=dict(logra=dict(rank=64))),
      "optimizer.logra on this model (optimizer.logra.rank=64): target 'layers/self_attn/o_proj/kernel': its sketch shape (2, 64, 64) equals its kernel shape, so a gradient leaf cannot tell dense from sketched; lower optimizer.logra.rank below 64"),
     ("rank-far-above-width", dict(optimizer=dict(logra=dict(rank=100000))),

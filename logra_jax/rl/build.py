@@ -97,9 +97,9 @@ def build_model(cfg: ml_collections.ConfigDict, mesh: Mesh | None):
                          "Face folder of that model")
     if cfg.source == "tiny":
         tokenizer = gguf_loader.smollm2_tokenizer()  # with its chat template, from the SmolLM2 GGUF
-        model_config = ModelConfig(vocab_size=tokenizer.vocab_size, dtype=cfg.dtype,
-                                   param_dtype=cfg.param_dtype, remat=cfg.remat,
-                                   **model_shapes.tiny_fields(cfg.tiny))
+        model_config = model_shapes.tiny_model_config(
+            cfg.tiny, vocab_size=tokenizer.vocab_size, dtype=cfg.dtype,
+            param_dtype=cfg.param_dtype, remat=cfg.remat)
         model = Decoder(model_config, rngs=nnx.Rngs(cfg.init_seed))
         return (model if mesh is None else sharding_lib.shard_model(model, mesh)), tokenizer
     if model_shapes.is_random_source(cfg.source):
