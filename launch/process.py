@@ -23,6 +23,7 @@ on a machine without a GPU) into one line.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import glob
 import importlib
@@ -33,6 +34,7 @@ import pathlib
 import re
 import sys
 import tempfile
+import threading
 from typing import Iterator
 
 # Threads per simulated CPU device in XLA:CPU's pool: how many collectives one device may be
@@ -122,6 +124,73 @@ def size_cpu_thread_pool(devices: int) -> None:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     if (cores or 1) < threads:
         os.environ["NPROC"] = str(threads)
+
+
+# Gloo (the CPU collectives between processes) prints one line per communicator it connects,
+# with std::cout, unconditionally: ~12 per process of a two-process run. A mesh connected in full
+# (connected to as many peers as expected) is routine; a count short of it, and the "is NOT
+# connected to" line after it, are kept.
+_GLOO_CONNECTED = re.compile(rb"\[Gloo\] Rank \d+ is connected to (\d+) peer ranks\. Expected "
+                             rb"number of connected peer ranks is : (\d+)\r?")
+_GLOO = b"[Gloo]"
+
+
+def is_routine_gloo_line(line: bytes) -> bool:
+    """A gloo line saying a communicator connected every peer it expected (no newline)."""
+    match = _GLOO_CONNECTED.fullmatch(line)
+    return match is not None and match.group(1) == match.group(2)
+
+
+def without_routine_gloo_lines(data: bytes, pending: bytes = b"") -> tuple[bytes, bytes]:
+    """(what to pass on of ``pending + data``, what to hold until more arrives): whole lines but
+    `is_routine_gloo_line`'s; a last partial line is held only while it could still become a gloo
+    line (it starts as one), so a prompt without a newline is not delayed."""
+    *lines, rest = (pending + data).split(b"\n")
+    out = b"".join(line + b"\n" for line in lines if not is_routine_gloo_line(line))
+    if rest and not (rest.startswith(_GLOO) or _GLOO.startswith(rest)):
+        out, rest = out + rest, b""
+    return out, rest
+
+
+def drop_routine_gloo_lines() -> None:
+    """For the rest of this process, file descriptor 1 passes through a pipe that drops gloo's
+    routine connection lines (`is_routine_gloo_line`) and forwards everything else as it comes:
+    gloo writes them with std::cout, past ``sys.stdout``, from the collectives' own threads, and
+    has no switch for them. Called by a command that joins other processes (`launch.train` with
+    ``distributed.num_processes`` > 1), after `setup`. At exit what is left is forwarded."""
+    sys.stdout.flush()
+    original = os.dup(1)
+    read_end, write_end = os.pipe()
+    os.dup2(write_end, 1)
+    os.close(write_end)
+
+    def forward():
+        pending = b""
+        while True:
+            try:
+                data = os.read(read_end, 1 << 16)
+            except OSError:
+                data = b""
+            if not data:
+                break
+            out, pending = without_routine_gloo_lines(data, pending)
+            if out:
+                os.write(original, out)
+        if pending and not is_routine_gloo_line(pending):
+            os.write(original, pending)
+        os.close(read_end)
+
+    thread = threading.Thread(target=forward, name="gloo-lines", daemon=True)
+    thread.start()
+
+    def finish():   # fd 1 back: the pipe's last writer closes, and the thread forwards the rest
+        try:
+            sys.stdout.flush()
+        except (OSError, ValueError):
+            pass
+        os.dup2(original, 1)
+        thread.join(timeout=10)
+    atexit.register(finish)
 
 
 def _accelerator_plugin_without_its_device() -> bool:

@@ -156,3 +156,46 @@ def test_a_bad_host_device_count_is_one_error_line(value, says, monkeypatch):
     assert process.host_device_count(8) == 3
     monkeypatch.delenv("LOGRA_HOST_DEVICES")
     assert process.host_device_count(8) == 8
+
+
+GLOO_OK = b"[Gloo] Rank 1 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1"
+GLOO_SHORT = b"[Gloo] Rank 1 is connected to 0 peer ranks. Expected number of connected peer ranks is : 1"
+
+
+def test_gloos_routine_connection_lines_are_dropped_and_its_failures_kept():
+    """What `drop_routine_gloo_lines` passes on, chunk by chunk as a pipe delivers it: gloo's line
+    for a communicator connected in full is dropped (a whole line, even split across reads); a
+    short count and its "NOT connected" line, and every other byte, pass in order; a partial line
+    is held only while it may still become gloo's."""
+    from launch.process import is_routine_gloo_line, without_routine_gloo_lines
+    assert is_routine_gloo_line(GLOO_OK) and not is_routine_gloo_line(GLOO_SHORT)
+    not_connected = b"[Gloo] Rank 1 is NOT connected to: [0]"
+    stream = (b"step 1/3: reward 0.1\n" + GLOO_OK + b"\n" + GLOO_SHORT + b"\n" + not_connected
+              + b"\n" + GLOO_OK + b"\r\nprompt> ")
+    for size in (1, 7, len(stream)):   # the same output whatever the reads' sizes
+        out, pending = b"", b""
+        for start in range(0, len(stream), size):
+            passed, pending = without_routine_gloo_lines(stream[start:start + size], pending)
+            out += passed
+        assert out == (b"step 1/3: reward 0.1\n" + GLOO_SHORT + b"\n" + not_connected + b"\n"
+                       + b"prompt> "), (size, out)
+        assert pending == b""
+    assert without_routine_gloo_lines(b"[Glo") == (b"", b"[Glo")   # may still become gloo's
+
+
+def test_the_gloo_filter_passes_the_processs_own_output_to_the_end():
+    """In a real process (file descriptors are a process's): after `drop_routine_gloo_lines`,
+    what C++ writes to fd 1 directly (as gloo does) and Python prints both arrive, in order, the
+    routine gloo line left out — the last byte too, forwarded as the process exits."""
+    ok, short = GLOO_OK + b"\n", GLOO_SHORT + b"\n"
+    script = ("import os, sys\n"
+              "from launch import process\n"
+              "process.drop_routine_gloo_lines()\n"
+              "print('before', flush=True)\n"
+              f"os.write(1, {ok!r})\n"
+              f"os.write(1, {short!r})\n"
+              "print('after', end='')\n")
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == b"before\n" + GLOO_SHORT + b"\nafter", done.stdout
