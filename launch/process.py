@@ -126,37 +126,93 @@ def size_cpu_thread_pool(devices: int) -> None:
         os.environ["NPROC"] = str(threads)
 
 
-# Gloo (the CPU collectives between processes) prints one line per communicator it connects,
-# with std::cout, unconditionally: ~12 per process of a two-process run. A mesh connected in full
-# (connected to as many peers as expected) is routine; a count short of it, and the "is NOT
-# connected to" line after it, are kept.
-_GLOO_CONNECTED = re.compile(rb"\[Gloo\] Rank \d+ is connected to (\d+) peer ranks\. Expected "
-                             rb"number of connected peer ranks is : (\d+)\r?")
-_GLOO = b"[Gloo]"
+# Gloo (the CPU collectives between processes) prints a line per communicator it connects, with
+# std::cout and no switch to turn it off: ~12 per process of a two-process run, from the
+# collectives' threads at once, so the lines' pieces interleave ("[Gloo] Rank [Gloo] Rank 2 is
+# connected to 7 ...\n3 is connected to 7 ...\n"). What a fully connected communicator prints is
+# made of these pieces and numbers only; one short of its peers adds "[Gloo] Rank i is NOT
+# connected to: [...]", which is not.
+_GLOO_START = b"[Gloo] Rank "
+_GLOO_PIECES = (_GLOO_START, b" is connected to ", b" peer ranks. ",
+                b"Expected number of connected peer ranks is : ", b"\n")
 
 
-def is_routine_gloo_line(line: bytes) -> bool:
-    """A gloo line saying a communicator connected every peer it expected (no newline)."""
-    match = _GLOO_CONNECTED.fullmatch(line)
-    return match is not None and match.group(1) == match.group(2)
+class RoutineGlooLines:
+    """Drops gloo's routine connection lines from a byte stream fed in pieces (`feed`, then
+    `close`), passing everything else on in order.
+
+    A gloo burst starts at "[Gloo] Rank " and runs while the bytes are `_GLOO_PIECES` and digits.
+    It is dropped when it ends after a newline at something else (or at the stream's end): every
+    line of it said "connected", however the threads interleaved them. A burst that meets anything
+    else mid-line — "is NOT connected to: [0]", a failure, or output of another kind — is passed
+    on whole, with what follows. Bytes are held only while undecided: a burst in progress, or an
+    end that may be the start of one."""
+
+    def __init__(self):
+        self._held = b""
+        self._in_burst = False
+
+    def feed(self, data: bytes) -> bytes:
+        buffer, out = self._held + data, b""
+        while buffer:
+            if not self._in_burst:
+                start = buffer.find(_GLOO_START)
+                if start < 0:
+                    keep = _partial_start(buffer)
+                    out += buffer[:len(buffer) - keep]
+                    buffer = buffer[len(buffer) - keep:]
+                    break
+                out, buffer, self._in_burst = out + buffer[:start], buffer[start:], True
+            end, state = _burst_end(buffer)
+            if state == "more":    # undecided until more bytes come
+                break
+            if state == "routine":
+                buffer = buffer[end:]
+            else:                  # not gloo's routine lines: the burst so far is passed on
+                out, buffer = out + buffer[:end], buffer[end:]
+            self._in_burst = False
+        self._held = buffer
+        return out
+
+    def close(self) -> bytes:
+        """What is still held when the stream ends: nothing of a burst that ended a line."""
+        held, self._held = self._held, b""
+        if self._in_burst and held.endswith(b"\n") and _burst_end(held + b"\0")[1] == "routine":
+            return b""
+        return held
 
 
-def without_routine_gloo_lines(data: bytes, pending: bytes = b"") -> tuple[bytes, bytes]:
-    """(what to pass on of ``pending + data``, what to hold until more arrives): whole lines but
-    `is_routine_gloo_line`'s; a last partial line is held only while it could still become a gloo
-    line (it starts as one), so a prompt without a newline is not delayed."""
-    *lines, rest = (pending + data).split(b"\n")
-    out = b"".join(line + b"\n" for line in lines if not is_routine_gloo_line(line))
-    if rest and not (rest.startswith(_GLOO) or _GLOO.startswith(rest)):
-        out, rest = out + rest, b""
-    return out, rest
+def _partial_start(buffer: bytes) -> int:
+    """How many bytes at the end of ``buffer`` begin "[Gloo] Rank " (0: none)."""
+    for size in range(min(len(buffer), len(_GLOO_START) - 1), 0, -1):
+        if _GLOO_START.startswith(buffer[-size:]):
+            return size
+    return 0
+
+
+def _burst_end(buffer: bytes) -> tuple[int, str]:
+    """(bytes the burst at the start of ``buffer`` covers, "routine" | "other" | "more")."""
+    position, last = 0, b""
+    while position < len(buffer):
+        rest = buffer[position:]
+        piece = next((p for p in _GLOO_PIECES if rest.startswith(p)), None)
+        if piece is None and rest[:1].isdigit():
+            piece = rest[:len(rest) - len(rest.lstrip(b"0123456789"))]
+            if len(piece) == len(rest):
+                return position, "more"   # the number may go on
+        if piece is None:
+            if any(p.startswith(rest) for p in _GLOO_PIECES):
+                return position, "more"
+            return position, ("routine" if last == b"\n" else "other")
+        position, last = position + len(piece), piece
+    return position, "more"
 
 
 def drop_routine_gloo_lines() -> None:
     """For the rest of this process, file descriptor 1 passes through a pipe that drops gloo's
-    routine connection lines (`is_routine_gloo_line`) and forwards everything else as it comes:
-    gloo writes them with std::cout, past ``sys.stdout``, from the collectives' own threads, and
-    has no switch for them. Called by a command that joins other processes (`launch.train` with
+    routine connection lines (`RoutineGlooLines`) and forwards everything else as it comes: gloo
+    writes them with std::cout, past ``sys.stdout``, from the collectives' own threads, and has
+    no switch for them. Called by a command that joins other processes (`launch.train` with
     ``distributed.num_processes`` > 1), after `setup`. At exit what is left is forwarded."""
     sys.stdout.flush()
     original = os.dup(1)
@@ -165,19 +221,17 @@ def drop_routine_gloo_lines() -> None:
     os.close(write_end)
 
     def forward():
-        pending = b""
+        lines = RoutineGlooLines()
         while True:
             try:
                 data = os.read(read_end, 1 << 16)
             except OSError:
                 data = b""
-            if not data:
-                break
-            out, pending = without_routine_gloo_lines(data, pending)
+            out = lines.feed(data) if data else lines.close()
             if out:
                 os.write(original, out)
-        if pending and not is_routine_gloo_line(pending):
-            os.write(original, pending)
+            if not data:
+                break
         os.close(read_end)
 
     thread = threading.Thread(target=forward, name="gloo-lines", daemon=True)

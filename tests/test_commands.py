@@ -163,39 +163,46 @@ GLOO_SHORT = b"[Gloo] Rank 1 is connected to 0 peer ranks. Expected number of co
 
 
 def test_gloos_routine_connection_lines_are_dropped_and_its_failures_kept():
-    """What `drop_routine_gloo_lines` passes on, chunk by chunk as a pipe delivers it: gloo's line
-    for a communicator connected in full is dropped (a whole line, even split across reads); a
-    short count and its "NOT connected" line, and every other byte, pass in order; a partial line
-    is held only while it may still become gloo's."""
-    from launch.process import is_routine_gloo_line, without_routine_gloo_lines
-    assert is_routine_gloo_line(GLOO_OK) and not is_routine_gloo_line(GLOO_SHORT)
-    not_connected = b"[Gloo] Rank 1 is NOT connected to: [0]"
-    stream = (b"step 1/3: reward 0.1\n" + GLOO_OK + b"\n" + GLOO_SHORT + b"\n" + not_connected
-              + b"\n" + GLOO_OK + b"\r\nprompt> ")
-    for size in (1, 7, len(stream)):   # the same output whatever the reads' sizes
-        out, pending = b"", b""
-        for start in range(0, len(stream), size):
-            passed, pending = without_routine_gloo_lines(stream[start:start + size], pending)
-            out += passed
-        assert out == (b"step 1/3: reward 0.1\n" + GLOO_SHORT + b"\n" + not_connected + b"\n"
-                       + b"prompt> "), (size, out)
-        assert pending == b""
-    assert without_routine_gloo_lines(b"[Glo") == (b"", b"[Glo")   # may still become gloo's
+    """What `drop_routine_gloo_lines` passes on, fed in pieces as a pipe delivers them: gloo's
+    lines of communicators connected in full are dropped — interleaved by its threads too, as a
+    two-process run printed them —; a short count with its "NOT connected" line, and every other
+    byte, pass in order; a last partial line is passed as soon as it cannot be gloo's."""
+    from launch.process import RoutineGlooLines
+    interleaved = (b"[Gloo] Rank [Gloo] Rank 2 is connected to 7 peer ranks. Expected number of "
+                   b"connected peer ranks is : 7\n3 is connected to 7 peer ranks. Expected number "
+                   b"of connected peer ranks is : 7\n")
+    not_connected = b"[Gloo] Rank 1 is NOT connected to: [0]\n"
+    stream = (b"step 1/3: reward 0.1\n" + GLOO_OK + b"\n" + interleaved + b"step 2/3\n"
+              + GLOO_SHORT + b"\n" + not_connected + GLOO_OK + b"\nprompt> ")
+    want = (b"step 1/3: reward 0.1\nstep 2/3\n" + GLOO_SHORT + b"\n" + not_connected
+            + b"prompt> ")
+    for size in (1, 7, 64, len(stream)):   # the same output whatever the reads' sizes
+        lines = RoutineGlooLines()
+        out = b"".join(lines.feed(stream[i:i + size]) for i in range(0, len(stream), size))
+        assert out == want, (size, out)
+        assert lines.close() == b""
+    lines = RoutineGlooLines()
+    assert lines.feed(b"done [Glo") == b"done "    # may still become gloo's: held
+    assert lines.feed(b"ve]") == b"[Glove]"        # cannot: passed on
+    assert lines.feed(GLOO_OK + b"\n") == b"" and lines.close() == b""   # the stream's end
+    lines = RoutineGlooLines()
+    assert lines.feed(GLOO_OK) == b"" and lines.close() == GLOO_OK   # a line cut short: kept
 
 
 def test_the_gloo_filter_passes_the_processs_own_output_to_the_end():
     """In a real process (file descriptors are a process's): after `drop_routine_gloo_lines`,
     what C++ writes to fd 1 directly (as gloo does) and Python prints both arrive, in order, the
     routine gloo line left out — the last byte too, forwarded as the process exits."""
-    ok, short = GLOO_OK + b"\n", GLOO_SHORT + b"\n"
+    ok, short = GLOO_OK + b"\n", GLOO_SHORT + b"\n[Gloo] Rank 1 is NOT connected to: [0]\n"
     script = ("import os, sys\n"
               "from launch import process\n"
               "process.drop_routine_gloo_lines()\n"
               "print('before', flush=True)\n"
               f"os.write(1, {ok!r})\n"
+              "print('middle', flush=True)\n"
               f"os.write(1, {short!r})\n"
               "print('after', end='')\n")
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
                           timeout=60)
     assert done.returncode == 0, done.stderr
-    assert done.stdout == b"before\n" + GLOO_SHORT + b"\nafter", done.stdout
+    assert done.stdout == b"before\nmiddle\n" + short + b"after", done.stdout
