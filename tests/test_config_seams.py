@@ -4,6 +4,7 @@ not the library function the key is meant for (each of those has its own tests).
 on the way — the library's default used instead — trains without complaint and only shows here.
 """
 
+import functools
 import types
 
 import jax
@@ -27,6 +28,11 @@ def tiny_model():
     config = tiny_config()
     model = Decoder(build.build_model_config(config.model), rngs=nnx.Rngs(0))
     return model, Policy.params_of(model)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _logits(policy, params, seqs):
+    return policy.completion_logits(params, seqs)
 
 
 def _plan(config):
@@ -54,14 +60,14 @@ def test_the_runs_lora_adapters_apply_alpha_over_rank(tiny_model):
     seqs = Sequences(tokens=tokens, segment_mask=jnp.ones((2, 12), bool),
                      positions=jnp.broadcast_to(jnp.arange(12), (2, 12)),
                      completion_mask=jnp.ones((2, 6), bool), prompt_length=6)
-    runs = plan.policy.completion_logits(with_adapters, seqs)
+    runs = _logits(plan.policy, with_adapters, seqs)
     plain = Policy(model)
     for scale in (alpha, 1.0):   # what a dropped division would apply: visibly other logits
-        assert float(jnp.abs(runs - plain.completion_logits(merge_adapters(with_adapters, scale),
-                                                            seqs)).max()) > 1e-2, scale
+        other = _logits(plain, merge_adapters(with_adapters, scale), seqs)
+        assert float(jnp.abs(runs - other).max()) > 1e-2, scale
     # float32 logits of the same sums in another order (branch vs merged kernel): 2e-5.
-    np.testing.assert_allclose(runs, plain.completion_logits(merge_adapters(with_adapters, alpha / rank),
-                                                             seqs), atol=2e-5, rtol=0)
+    np.testing.assert_allclose(runs, _logits(plain, merge_adapters(with_adapters, alpha / rank), seqs),
+                               atol=2e-5, rtol=0)
 
 
 def test_the_runs_galore_applies_its_configured_scale(tiny_model):
@@ -69,6 +75,7 @@ def test_the_runs_galore_applies_its_configured_scale(tiny_model):
     of what scale 1 makes from the same gradient — exactly, a power of two — and leaves the AdamW
     part (the rest) as it is."""
     _, params = tiny_model
+    params = {"layers": params["layers"]}   # the targets and some of the rest: enough, and small
     grads = jax.tree.map(lambda p: jax.random.normal(jax.random.PRNGKey(p.size), p.shape, p.dtype),
                          params)
 
