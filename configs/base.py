@@ -104,7 +104,10 @@ def get_config() -> ml_collections.ConfigDict:
         temperature=1.0, top_p=1.0, top_k=0,
         max_prompt_length=96, max_completion_length=48,
         beta=0.0, kl_estimator="k3",
-        epsilon=0.2, epsilon_high=0.0,    # 0 → symmetric clipping
+        epsilon=0.2, epsilon_high=0.0,    # 0 → symmetric clipping. Inert today: one update per
+                                          # batch, so π_old is the policy itself (detached), the
+                                          # ratio is 1 and no token is ever clipped; these change
+                                          # nothing and clip_ratio/* are always 0
         loss_agg_mode="token-mean",
         scale_rewards=True,
         advantage_baseline="mean",        # grpo: "mean" (TRL) | "leave_one_out" (the reference)

@@ -23,6 +23,7 @@ on a machine without a GPU) into one line.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import glob
 import importlib
@@ -33,6 +34,7 @@ import pathlib
 import re
 import sys
 import tempfile
+import threading
 from typing import Iterator
 
 # Threads per simulated CPU device in XLA:CPU's pool: how many collectives one device may be
@@ -51,6 +53,11 @@ def setup(devices: int | None, *, verbose: bool = False) -> None:
     ``devices``: how many CPU devices to simulate; None leaves the count and XLA:CPU's pool as they
     are (a command that starts no backend of its own, or whose child processes set their own: they
     inherit this environment). ``verbose``: keep JAX's start-up messages and absl's log format."""
+    if devices is not None:   # a bad count is the user's: one line, before anything else
+        try:
+            devices = host_device_count(devices)
+        except SetupError as e:
+            sys.exit(f"error: {e}")
     if "jax" in sys.modules:
         raise RuntimeError("launch.process.setup must run before jax is imported: the device "
                            "count, the platform and XLA:CPU's pool are read when jax starts")
@@ -63,6 +70,26 @@ def setup(devices: int | None, *, verbose: bool = False) -> None:
     plain_log_lines(verbose)
 
 
+def host_device_count(default: int) -> int:
+    """The CPU devices to simulate: ``LOGRA_HOST_DEVICES`` if set, else ``default``. A value that
+    is not a whole number ≥ 1 is a `SetupError` naming it: ``int()``'s traceback otherwise, and
+    at 0 JAX fails to start a backend, which reads as a platform problem (JAX_PLATFORMS) that no
+    platform setting fixes."""
+    given = os.environ.get(HOST_DEVICES_ENV)
+    if given is None:
+        return default
+    try:
+        count = int(given.strip())
+    except ValueError:
+        raise SetupError(f"{HOST_DEVICES_ENV}={given!r} is not a whole number: it is how many CPU "
+                         f"devices XLA simulates; set it to 1 or more, or unset it (this "
+                         f"command's default: {default})") from None
+    if count < 1:
+        raise SetupError(f"{HOST_DEVICES_ENV}={given}: XLA simulates at least 1 CPU device; set "
+                         f"it to 1 or more, or unset it (this command's default: {default})")
+    return count
+
+
 def simulate_host_devices(count: int) -> int:
     """XLA:CPU simulates ``count`` devices (``LOGRA_HOST_DEVICES`` overrides it, and an ``XLA_FLAGS``
     that already sets a count wins over both), with a thread pool sized for them. Returns the count
@@ -72,7 +99,7 @@ def simulate_host_devices(count: int) -> int:
     if match:
         count = int(match.group(1))
     else:
-        count = int(os.environ.get(HOST_DEVICES_ENV, count))
+        count = host_device_count(count)
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
     size_cpu_thread_pool(count)
     return count
@@ -97,6 +124,127 @@ def size_cpu_thread_pool(devices: int) -> None:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     if (cores or 1) < threads:
         os.environ["NPROC"] = str(threads)
+
+
+# Gloo (the CPU collectives between processes) prints a line per communicator it connects, with
+# std::cout and no switch to turn it off: ~12 per process of a two-process run, from the
+# collectives' threads at once, so the lines' pieces interleave ("[Gloo] Rank [Gloo] Rank 2 is
+# connected to 7 ...\n3 is connected to 7 ...\n"). What a fully connected communicator prints is
+# made of these pieces and numbers only; one short of its peers adds "[Gloo] Rank i is NOT
+# connected to: [...]", which is not.
+_GLOO_START = b"[Gloo] Rank "
+_GLOO_PIECES = (_GLOO_START, b" is connected to ", b" peer ranks. ",
+                b"Expected number of connected peer ranks is : ", b"\n")
+
+
+class RoutineGlooLines:
+    """Drops gloo's routine connection lines from a byte stream fed in pieces (`feed`, then
+    `close`), passing everything else on in order.
+
+    A gloo burst starts at "[Gloo] Rank " and runs while the bytes are `_GLOO_PIECES` and digits.
+    It is dropped when it ends after a newline at something else (or at the stream's end): every
+    line of it said "connected", however the threads interleaved them. A burst that meets anything
+    else mid-line — "is NOT connected to: [0]", a failure, or output of another kind — is passed
+    on whole, with what follows. Bytes are held only while undecided: a burst in progress, or an
+    end that may be the start of one."""
+
+    def __init__(self):
+        self._held = b""
+        self._in_burst = False
+
+    def feed(self, data: bytes) -> bytes:
+        buffer, out = self._held + data, b""
+        while buffer:
+            if not self._in_burst:
+                start = buffer.find(_GLOO_START)
+                if start < 0:
+                    keep = _partial_start(buffer)
+                    out += buffer[:len(buffer) - keep]
+                    buffer = buffer[len(buffer) - keep:]
+                    break
+                out, buffer, self._in_burst = out + buffer[:start], buffer[start:], True
+            end, state = _burst_end(buffer)
+            if state == "more":    # undecided until more bytes come
+                break
+            if state == "routine":
+                buffer = buffer[end:]
+            else:                  # not gloo's routine lines: the burst so far is passed on
+                out, buffer = out + buffer[:end], buffer[end:]
+            self._in_burst = False
+        self._held = buffer
+        return out
+
+    def close(self) -> bytes:
+        """What is still held when the stream ends: nothing of a burst that ended a line."""
+        held, self._held = self._held, b""
+        if self._in_burst and held.endswith(b"\n") and _burst_end(held + b"\0")[1] == "routine":
+            return b""
+        return held
+
+
+def _partial_start(buffer: bytes) -> int:
+    """How many bytes at the end of ``buffer`` begin "[Gloo] Rank " (0: none)."""
+    for size in range(min(len(buffer), len(_GLOO_START) - 1), 0, -1):
+        if _GLOO_START.startswith(buffer[-size:]):
+            return size
+    return 0
+
+
+def _burst_end(buffer: bytes) -> tuple[int, str]:
+    """(bytes the burst at the start of ``buffer`` covers, "routine" | "other" | "more")."""
+    position, last = 0, b""
+    while position < len(buffer):
+        rest = buffer[position:]
+        piece = next((p for p in _GLOO_PIECES if rest.startswith(p)), None)
+        if piece is None and rest[:1].isdigit():
+            piece = rest[:len(rest) - len(rest.lstrip(b"0123456789"))]
+            if len(piece) == len(rest):
+                return position, "more"   # the number may go on
+        if piece is None:
+            if any(p.startswith(rest) for p in _GLOO_PIECES):
+                return position, "more"
+            return position, ("routine" if last == b"\n" else "other")
+        position, last = position + len(piece), piece
+    return position, "more"
+
+
+def drop_routine_gloo_lines() -> None:
+    """For the rest of this process, file descriptor 1 passes through a pipe that drops gloo's
+    routine connection lines (`RoutineGlooLines`) and forwards everything else as it comes: gloo
+    writes them with std::cout, past ``sys.stdout``, from the collectives' own threads, and has
+    no switch for them. Called by a command that joins other processes (`launch.train` with
+    ``distributed.num_processes`` > 1), after `setup`. At exit what is left is forwarded."""
+    sys.stdout.flush()
+    original = os.dup(1)
+    read_end, write_end = os.pipe()
+    os.dup2(write_end, 1)
+    os.close(write_end)
+
+    def forward():
+        lines = RoutineGlooLines()
+        while True:
+            try:
+                data = os.read(read_end, 1 << 16)
+            except OSError:
+                data = b""
+            out = lines.feed(data) if data else lines.close()
+            if out:
+                os.write(original, out)
+            if not data:
+                break
+        os.close(read_end)
+
+    thread = threading.Thread(target=forward, name="gloo-lines", daemon=True)
+    thread.start()
+
+    def finish():   # fd 1 back: the pipe's last writer closes, and the thread forwards the rest
+        try:
+            sys.stdout.flush()
+        except (OSError, ValueError):
+            pass
+        os.dup2(original, 1)
+        thread.join(timeout=10)
+    atexit.register(finish)
 
 
 def _accelerator_plugin_without_its_device() -> bool:

@@ -70,6 +70,8 @@ def run(config, workdir: str, *, fresh: bool = False, verbose: bool = False) -> 
         from launch import process
         from logra_jax import distributed
         try:
+            if distributed.is_multiprocess(config.distributed) and not verbose:
+                process.drop_routine_gloo_lines()   # gloo's per-communicator "connected" lines
             distributed.initialize(config.distributed)  # before any jax computation
             stopping.reinstall()   # JAX's distributed runtime installs its own SIGTERM handler
             process.check_backend(verbose=verbose)

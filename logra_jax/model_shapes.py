@@ -9,6 +9,8 @@ plan compiles the model that would train.
 
 from __future__ import annotations
 
+import re
+
 import ml_collections
 
 from logra_jax.models.config import ModelConfig
@@ -96,10 +98,26 @@ def model_config_from(cfg: ml_collections.ConfigDict) -> ModelConfig:
         return shape_config(cfg.source[len(RANDOM_PREFIX):], **numerics)
     if cfg.source == "tiny":
         # configs/base.py's tiny decoder uses SmolLM2's tokenizer: its vocabulary of 49152.
-        return ModelConfig(vocab_size=49152, **numerics, **tiny_fields(cfg.tiny))
+        return tiny_model_config(cfg.tiny, vocab_size=49152, **numerics)
     raise ValueError(f"model.source={cfg.source!r} has weights, not a shape; use "
                      f"'{SHAPE_PREFIX}<name>' or '{RANDOM_PREFIX}<name>' (one of {sorted(MODEL_SHAPES)}) or "
                      f"'tiny' for memory planning")
+
+
+def tiny_model_config(tiny: ml_collections.ConfigDict, **other) -> ModelConfig:
+    """The ModelConfig of ``model.tiny`` (plus ``other`` fields: the vocabulary, the numerics).
+    ModelConfig's own checks name its fields (``ModelConfig.num_heads (3) must be a multiple of
+    num_kv_heads (2)``); a field the user set in ``model.tiny`` is named as the key they typed,
+    ``model.tiny.num_heads``, wherever the message mentions it."""
+    fields = tiny_fields(tiny)
+    try:
+        return ModelConfig(**other, **fields)
+    except ValueError as e:
+        message = str(e)
+        for name in fields:
+            message = re.sub(rf"\bModelConfig\.{name}\b", f"model.tiny.{name}", message)
+            message = re.sub(rf"(?<![\w.]){name}\b", f"model.tiny.{name}", message)
+        raise ValueError(message) from None
 
 
 def tiny_fields(tiny: ml_collections.ConfigDict) -> dict:

@@ -113,10 +113,13 @@ ROWS = [
     # model.tiny is the model config's keyword arguments: a key that is none of its fields.
     ("model-tiny-typo", dict(model=dict(tiny=dict(hiden_size=4))),
      "model.tiny.hiden_size is not a field of the model's config"),
+    # ... and a value its own checks refuse is named as the key typed, not ModelConfig's field.
+    ("model-tiny-heads", dict(model=dict(tiny=dict(num_heads=3))),
+     "model.tiny.num_heads (3) must be a multiple of model.tiny.num_kv_heads (2) for grouped-query"),
     ("rank-not-below-width", dict(optimizer=dict(logra=dict(rank=64))),
-     "optimizer.logra on this model (optimizer.logra.rank=64): target 'layers/self_attn/o_proj/kernel': its sketch shape (2, 64, 64) equals its kernel shape, so a gradient leaf cannot tell dense from sketched; lower optimizer.logra.rank below 64"),
+     "optimizer.logra on this model (optimizer.logra.rank=64): rank 64 is not below the input width of 6 targets: 'layers/mlp/gate_proj/kernel' (64), 'layers/mlp/up_proj/kernel' (64), 'layers/self_attn/k_proj/kernel' (64), 'layers/self_attn/o_proj/kernel' (64) and 2 more; a sketch of rank r ≥ in compresses nothing, so no target's rank is lowered for it: lower optimizer.logra.rank below 64 (or exclude those targets)"),
     ("rank-far-above-width", dict(optimizer=dict(logra=dict(rank=100000))),
-     "(optimizer.logra.rank=100000): target 'layers/self_attn/o_proj/kernel'"),
+     "(optimizer.logra.rank=100000): rank 100000 is not below the input width of 7 targets: 'layers/mlp/down_proj/kernel' (128),"),
     ("seed-negative", dict(seed=-1), "seed must be an integer ≥ 0, got -1"),
     ("lora-targets", dict(optimizer=dict(name="lora", lora=dict(targets="no_such_layer"))),
      "optimizer.lora on this model: LoRA targets 'no_such_layer' match no parameter"),
@@ -534,6 +537,41 @@ def test_a_config_file_that_cannot_be_loaded_is_one_line_naming_it(text, message
         with pytest.raises(config_lib.ConfigFileError) as raised:   # a traceback, not a line
             _parse(argv + ["--verbose"])
         assert f"{type(raised.value.__cause__).__name__}" in message   # chained: the file's own
+
+
+def test_a_config_file_changing_the_bases_presets_changes_its_own_config_only(tmp_path):
+    """A file that edits configs/base.py's module-level presets (REFERENCE_BATCH, LOGRA_VARIANTS)
+    or rebinds one (DEFAULT_TARGETS) gets what it asked for, and the configs loaded after it in
+    the same process (launch.sync_bench --configs a.py,b.py) and this process's configs.base are
+    as before: each file runs with its own copy of the configs package."""
+    import copy
+    mutating, plain = tmp_path / "a.py", tmp_path / "b.py"
+    mutating.write_text(
+        "from configs import base\n"
+        "base.REFERENCE_BATCH[0]['prompts_per_step'] = 4\n"
+        "base.LOGRA_VARIANTS['kl'][0]['kl_control'] = False\n"
+        "base.DEFAULT_TARGETS = r'q_proj/kernel$'\n"
+        "def get_config():\n"
+        "    c = base.get_config()\n"
+        "    base.use_reference_batch(c, 8)\n"
+        "    base.use_logra_variant(c, 'kl')\n"
+        "    c.optimizer.logra.targets = base.DEFAULT_TARGETS\n"
+        "    return c\n")
+    plain.write_text(
+        "from configs import base\n"
+        "def get_config():\n"
+        "    c = base.get_config()\n"
+        "    base.use_reference_batch(c, 8)\n"
+        "    base.use_logra_variant(c, 'kl')\n"
+        "    c.optimizer.logra.targets = base.DEFAULT_TARGETS\n"
+        "    return c\n")
+    presets = copy.deepcopy((base.REFERENCE_BATCH, base.LOGRA_VARIANTS, base.DEFAULT_TARGETS))
+    before = config_lib.as_json(config_lib.load_config_file(plain))
+    mutated = config_lib.load_config_file(mutating)
+    assert (mutated.data.prompts_per_step, mutated.optimizer.logra.kl_control,
+            mutated.optimizer.logra.targets) == (4, False, "q_proj/kernel$")   # its own change
+    assert config_lib.as_json(config_lib.load_config_file(plain)) == before
+    assert (base.REFERENCE_BATCH, base.LOGRA_VARIANTS, base.DEFAULT_TARGETS) == presets
 
 
 def test_a_runs_config_json_gives_its_config_back(trained, tmp_path):

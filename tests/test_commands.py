@@ -134,3 +134,75 @@ def test_the_suite_leaves_no_temporary_folder(tmp_path):
                           timeout=300, env=env)
     assert done.returncode == 0, done.stdout[-3000:]
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("logra_")] == []
+
+
+@pytest.mark.parametrize("value, says", [
+    ("abc", "error: LOGRA_HOST_DEVICES='abc' is not a whole number: it is how many CPU devices XLA "
+            "simulates; set it to 1 or more, or unset it (this command's default: 8)"),
+    ("0", "error: LOGRA_HOST_DEVICES=0: XLA simulates at least 1 CPU device; set it to 1 or more, "
+          "or unset it (this command's default: 8)"),
+    ("-2", "error: LOGRA_HOST_DEVICES=-2: XLA simulates at least 1 CPU device; set it to 1 or "
+           "more, or unset it (this command's default: 8)")])
+def test_a_bad_host_device_count_is_one_error_line(value, says, monkeypatch):
+    """`setup` refuses a LOGRA_HOST_DEVICES that is no count first thing, as every command's one
+    line (int()'s traceback before; at 0, jax's failed start blamed on JAX_PLATFORMS). In this
+    process: the refusal comes before `setup` looks at jax, which the suite has imported."""
+    from launch import process
+    monkeypatch.setenv("LOGRA_HOST_DEVICES", value)
+    with pytest.raises(SystemExit) as done:
+        process.setup(8)
+    assert str(done.value.code) == says
+    monkeypatch.setenv("LOGRA_HOST_DEVICES", " 3 ")
+    assert process.host_device_count(8) == 3
+    monkeypatch.delenv("LOGRA_HOST_DEVICES")
+    assert process.host_device_count(8) == 8
+
+
+GLOO_OK = b"[Gloo] Rank 1 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1"
+GLOO_SHORT = b"[Gloo] Rank 1 is connected to 0 peer ranks. Expected number of connected peer ranks is : 1"
+
+
+def test_gloos_routine_connection_lines_are_dropped_and_its_failures_kept():
+    """What `drop_routine_gloo_lines` passes on, fed in pieces as a pipe delivers them: gloo's
+    lines of communicators connected in full are dropped — interleaved by its threads too, as a
+    two-process run printed them —; a short count with its "NOT connected" line, and every other
+    byte, pass in order; a last partial line is passed as soon as it cannot be gloo's."""
+    from launch.process import RoutineGlooLines
+    interleaved = (b"[Gloo] Rank [Gloo] Rank 2 is connected to 7 peer ranks. Expected number of "
+                   b"connected peer ranks is : 7\n3 is connected to 7 peer ranks. Expected number "
+                   b"of connected peer ranks is : 7\n")
+    not_connected = b"[Gloo] Rank 1 is NOT connected to: [0]\n"
+    stream = (b"step 1/3: reward 0.1\n" + GLOO_OK + b"\n" + interleaved + b"step 2/3\n"
+              + GLOO_SHORT + b"\n" + not_connected + GLOO_OK + b"\nprompt> ")
+    want = (b"step 1/3: reward 0.1\nstep 2/3\n" + GLOO_SHORT + b"\n" + not_connected
+            + b"prompt> ")
+    for size in (1, 7, 64, len(stream)):   # the same output whatever the reads' sizes
+        lines = RoutineGlooLines()
+        out = b"".join(lines.feed(stream[i:i + size]) for i in range(0, len(stream), size))
+        assert out == want, (size, out)
+        assert lines.close() == b""
+    lines = RoutineGlooLines()
+    assert lines.feed(b"done [Glo") == b"done "    # may still become gloo's: held
+    assert lines.feed(b"ve]") == b"[Glove]"        # cannot: passed on
+    assert lines.feed(GLOO_OK + b"\n") == b"" and lines.close() == b""   # the stream's end
+    lines = RoutineGlooLines()
+    assert lines.feed(GLOO_OK) == b"" and lines.close() == GLOO_OK   # a line cut short: kept
+
+
+def test_the_gloo_filter_passes_the_processs_own_output_to_the_end():
+    """In a real process (file descriptors are a process's): after `drop_routine_gloo_lines`,
+    what C++ writes to fd 1 directly (as gloo does) and Python prints both arrive, in order, the
+    routine gloo line left out — the last byte too, forwarded as the process exits."""
+    ok, short = GLOO_OK + b"\n", GLOO_SHORT + b"\n[Gloo] Rank 1 is NOT connected to: [0]\n"
+    script = ("import os, sys\n"
+              "from launch import process\n"
+              "process.drop_routine_gloo_lines()\n"
+              "print('before', flush=True)\n"
+              f"os.write(1, {ok!r})\n"
+              "print('middle', flush=True)\n"
+              f"os.write(1, {short!r})\n"
+              "print('after', end='')\n")
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == b"before\nmiddle\n" + short + b"after", done.stdout

@@ -278,6 +278,17 @@ def test_loader_errors_name_the_problem(checkpoints, tmp_path):
     with pytest.raises(FileNotFoundError, match="no tokenizer.json"):
         from_pretrained(no_tokenizer)
 
+    cut = _copy(folder, tmp_path, "cut_tokenizer")   # an interrupted copy: one line naming it
+    whole = (cut / "tokenizer.json").read_bytes()
+    (cut / "tokenizer.json").write_bytes(whole[:len(whole) // 2])
+    with pytest.raises(ValueError, match=f"^{cut / 'tokenizer.json'} cannot be read as a "
+                                         f"tokenizer \\(EOF while parsing"):
+        from_pretrained(cut)
+    (cut / "tokenizer.json").write_bytes(b"\xff" + whole)
+    with pytest.raises(ValueError, match=f"^{cut / 'tokenizer.json'} cannot be read as a "
+                                         f"tokenizer \\(stream did not contain valid UTF-8\\)"):
+        from_pretrained(cut)
+
     with pytest.raises(FileNotFoundError, match="no config.json"):
         from_pretrained(tmp_path)
     with pytest.raises(ValueError, match="unknown model source 'gpt-17'"):

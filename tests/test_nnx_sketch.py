@@ -507,3 +507,32 @@ def test_a_mesh_with_explicit_axes_is_refused_at_prepare():
             "its probes out on Auto axes: make the mesh with jax.make_mesh(..., "
             "axis_types=(jax.sharding.AxisType.Auto,) * 1)")):
         nnx_sketch.prepare(nnx.merge(graphdef, params, rest), **SKETCH)
+
+
+class _Narrow(nnx.Module):
+    """Two layers narrower than the rank asked: in widths 8 and 32."""
+
+    def __init__(self, rngs):
+        self.up = nnx.Linear(8, 32, rngs=rngs)
+        self.down = nnx.Linear(32, 8, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down(jax.nn.relu(self.up(x)))
+
+
+def test_a_rank_not_below_a_targets_input_width_is_refused_naming_the_targets():
+    """rank=64 on layers 8 and 32 wide: refused, naming each and its width, as launch.train
+    refuses a rank not below its model's widths — not a rank quietly lowered to 8 and 32 (a
+    sketch of rank ≥ in compresses nothing). A rank below both works."""
+    model = nnx.eval_shape(lambda: _Narrow(nnx.Rngs(0)))
+    with pytest.raises(ValueError) as caught:
+        nnx_sketch.prepare(model, targets=r"(up|down)/kernel$", rank=64)
+    assert str(caught.value) == (
+        "rank 64 is not below the input width of 2 targets: 'down/kernel' (32), 'up/kernel' (8); "
+        "a sketch of rank r ≥ in compresses nothing, so no target's rank is lowered for it: lower "
+        "rank below 8 (or exclude those targets)")
+    with pytest.raises(ValueError, match=r"^rank 8 is not below the input width of 1 target: "
+                                         r"'up/kernel' \(8\);"):
+        nnx_sketch.prepare(model, targets=r"(up|down)/kernel$", rank=8)
+    sketch = nnx_sketch.prepare(model, targets=r"(up|down)/kernel$", rank=7)
+    assert sketch.logra_kwargs()["rank"] == 7

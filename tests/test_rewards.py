@@ -2,10 +2,12 @@
 
 import json
 
+import numpy as np
 import pytest
 
 from logra_jax.data.answers import extract_answer, normalize_answer
 from logra_jax.rl.rewards import format_reward, math_reward
+from logra_jax.rl.rollout import Grader, RewardError
 
 
 @pytest.fixture(scope="module")
@@ -90,3 +92,54 @@ def test_math_reward_rejects_empty_gold():
 ])
 def test_format_reward(text, expected):
     assert format_reward(text) == expected
+
+
+class _Graded(Grader):
+    """The built-in grader with one more reward function, ``extra`` (named "mine")."""
+
+    def __init__(self, extra, **kwargs):
+        super().__init__(task="data.task=chain_sum", **kwargs)
+        object.__setattr__(self, "extra", extra)
+
+    def functions(self):
+        return super().functions() + [("mine", 0.5, self.extra)]
+
+
+TEXTS, GOLDS = ["The answer is 5", "The answer is 4", "no idea"], ["5", "5", "5"]
+
+
+def test_the_grader_sums_its_functions_weighted():
+    graded = _Graded(lambda texts, golds: [2.0] * len(texts), format_reward_weight=0.25)
+    np.testing.assert_array_equal(graded(TEXTS, GOLDS), [1.0 + 0.25 + 1.0, 0.25 + 1.0, 1.0])
+
+
+def test_a_reward_function_that_raises_is_named_with_its_task():
+    def broken(texts, golds):
+        return [1.0 / (len(t) - len(t)) for t in texts]
+    with pytest.raises(RewardError) as caught:
+        _Graded(broken)(TEXTS, GOLDS)
+    assert str(caught.value) == ("reward function mine on data.task=chain_sum raised "
+                                 "ZeroDivisionError: float division by zero")
+    assert isinstance(caught.value.__cause__, ZeroDivisionError)   # --verbose shows where
+    with pytest.raises(RewardError, match=r"^reward function rewards.math_reward on the prompts "
+                                          r"raised ValueError: gold answer '' is empty"):
+        Grader()(["The answer is 5"], [""])
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_a_reward_that_is_not_finite_is_refused_by_name(bad):
+    with pytest.raises(RewardError) as caught:
+        _Graded(lambda texts, golds: [0.0, bad, bad])(TEXTS, GOLDS)
+    assert str(caught.value) == (f"reward function mine on data.task=chain_sum returned {bad} for "
+                                 f"2 of 3 completions (the first, row 1: 'The answer is 4', "
+                                 f"answer '5'); a reward must be a finite number")
+
+
+@pytest.mark.parametrize("returned, shape", [([1.0, 0.0], (2,)), ([[1.0, 0.0, 1.0]], (1, 3)),
+                                             (1.0, ())])
+def test_rewards_of_the_wrong_shape_name_both_shapes(returned, shape):
+    with pytest.raises(RewardError) as caught:
+        _Graded(lambda texts, golds: returned)(TEXTS, GOLDS)
+    assert str(caught.value) == (f"reward function mine on data.task=chain_sum returned rewards of "
+                                 f"shape {shape} for 3 completions: it must return one number per "
+                                 f"completion, shape (3,)")

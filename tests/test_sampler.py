@@ -498,3 +498,60 @@ def test_a_stacked_decode_holds_the_kv_cache_once():
     compiled = sampler.program.lower(*args, top_k=0, top_p=1.0, greedy=False).compile()
     kv_cache = 2 * config.num_layers * rows * (prompt + steps) * config.num_kv_heads * config.head_dim * 4
     assert compiled.memory_analysis().temp_size_in_bytes < 1.6 * kv_cache
+
+
+@pytest.mark.parametrize("top_k", [0, 8])
+def test_a_nucleus_draw_at_a_temperature_keeps_the_tempered_nucleus(setup, top_k):
+    """Sampler.generate at T = 0.5 with top_p = 0.8 (and top_k = 8): every drawn token lies in the
+    nucleus of softmax(z / T) — of the top-k renormalized distribution with top_k — where z are
+    the model's logits at its position, recomputed without the cache; its log-prob is log
+    softmax(z / T) there. Filtering z before dividing by T would keep the wider nucleus of
+    softmax(z): the head is scaled 30× so the logits are peaked (the tiny model's are near flat,
+    std 0.1, where every nucleus is the candidate cap), and at T = 0.5 the T = 1 nucleus is wider
+    at most positions (checked below), so 64 rows × 6 tokens draw outside the tempered one."""
+    policy, params, sampler, prompts, _, _ = setup
+    temperature, top_p = 0.5, 0.8
+    sharp = dict(params, lm_head={"kernel": params["lm_head"]["kernel"] * 30.0})
+    many = [prompts[i % len(prompts)] for i in range(64)]
+    tokens, mask = pad_prompts(many, PROMPT_LEN, PAD)
+    out = sampler.generate(sharp, tokens, mask, jax.random.PRNGKey(3), temperature=temperature,
+                           top_p=top_p, top_k=top_k)
+    seqs = Sequences.from_sample(out.prompt_tokens, out.prompt_mask, out.tokens, out.mask)
+    z = np.asarray(policy.completion_logits(sharp, seqs), np.float64)   # [rows, C, V]
+    drawn = np.asarray(out.tokens)
+    valid = np.asarray(out.mask)
+
+    def nucleus(t):
+        """[rows, C, V] bool: the tokens a top-k / top-p draw at temperature t keeps, and the
+        probability mass of the kept set's tokens ranked before each (the boundary's distance)."""
+        order = np.argsort(-z, axis=-1, kind="stable")
+        ranked = np.take_along_axis(z, order, axis=-1) / t
+        if top_k:
+            ranked[..., top_k:] = -np.inf
+        probs = np.exp(ranked - ranked.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        before = np.cumsum(probs, axis=-1) - probs
+        kept = np.zeros(z.shape, bool)
+        np.put_along_axis(kept, order, (before < top_p) & (probs > 0), axis=-1)
+        mass_before = np.zeros(z.shape)
+        np.put_along_axis(mass_before, order, before, axis=-1)
+        return kept, mass_before
+
+    logp = z / temperature - np.log(np.sum(np.exp(z / temperature - (z / temperature).max(-1, keepdims=True)),
+                                           -1, keepdims=True)) - (z / temperature).max(-1, keepdims=True)
+    at_drawn = np.take_along_axis(logp, drawn[..., None], -1)[..., 0]
+    # The sampler's cached logits and this recompute round differently: 1e-4 in log-prob.
+    slack = 1e-4
+    np.testing.assert_allclose(np.asarray(out.logprobs), np.where(valid, at_drawn, 0.0), atol=slack)
+    tempered, mass_before = nucleus(temperature)
+    wide, _ = nucleus(1.0)
+    # A log-prob error d moves each probability by a factor e^±d, so a prefix's mass by ≤ d:
+    # a token within d of the boundary may fall either side of it.
+    inside = np.take_along_axis(tempered, drawn[..., None], -1)[..., 0]
+    near = np.take_along_axis(mass_before, drawn[..., None], -1)[..., 0] < top_p + slack
+    outside = valid & ~inside & ~near
+    assert not outside.any(), (f"{int(outside.sum())} tokens drawn outside the nucleus of "
+                               f"softmax(z / {temperature}), e.g. row/step {np.argwhere(outside)[0]}")
+    # The check can fail: the untempered nucleus is wider at most drawn positions.
+    wider = (wide.sum(-1) > tempered.sum(-1))[valid]
+    assert wider.mean() > 0.5, wider.mean()

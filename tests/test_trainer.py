@@ -14,7 +14,7 @@ from logra_jax import config as config_lib, metrics
 from logra_jax.optim import PredictedKLState, logra_metrics
 from logra_jax.rl import algorithms, assembly, build
 from logra_jax.rl import trainer as trainer_lib
-from logra_jax.rl.rollout import collect_rollouts
+from logra_jax.rl.rollout import Grader, collect_rollouts
 from logra_jax.rl.update import TrainBatch
 from tiny_config import VARIANTS, flat_params as _flat, make_config
 
@@ -338,6 +338,47 @@ def test_nonfinite_updates_are_skipped_and_never_reach_a_checkpoint(name, parts_
         np.testing.assert_array_equal(two[path], three[path], err_msg=path)
 
 
+class _RaisesFrom(Grader):
+    """The run's grader, with a reward function that raises from its ``step``-th call on."""
+
+    def __init__(self, grader, step):
+        super().__init__(grader.failure_reward, grader.format_reward_weight, grader.task)
+        object.__setattr__(self, "calls", [])
+        object.__setattr__(self, "step", step)
+
+    def functions(self):
+        def mine(texts, golds):
+            self.calls.append(1)
+            if len(self.calls) >= self.step:
+                raise KeyError("score")
+            return [0.0] * len(texts)
+        return super().functions() + [("mine", 1.0, mine)]
+
+
+def test_a_reward_that_raises_before_the_first_checkpoint_leaves_the_workdir_as_it_was(parts_of,
+                                                                                      tmp_path):
+    """A reward function raising at step 2 of a fresh run that saves at step 3: one error naming
+    the step, the function, the task and the exception; step 1's row, config.json and the
+    tensorboard events (weights no checkpoint holds) are taken back, so the same command is not
+    refused for rows without a checkpoint and starts again."""
+    config = make_config("adamw", max_steps=3, checkpoint=dict(every=3),
+                         log=dict(tensorboard=True))
+    run = trainer_lib.Run(config, tmp_path / "w", parts=parts_of["adamw"])
+    grader = run.parts.grader
+    run.parts.grader = _RaisesFrom(grader, 2)
+    try:
+        with pytest.raises(ValueError) as caught:
+            run.loop()
+    finally:
+        run.parts.grader = grader      # the module's parts are shared
+        run.close()
+    assert str(caught.value) == ("step 2: reward function mine on data.task=chain_sum raised "
+                                 "KeyError: 'score'")
+    assert not (tmp_path / "w").exists(), sorted(p.name for p in (tmp_path / "w").iterdir())
+    again = trainer_lib.Run(config, tmp_path / "w", parts=parts_of["adamw"])   # not refused
+    again.close()
+
+
 def test_unknown_override_key_exits_with_its_name():
     """The command line's parse (`launch.cli`), on flags of its own (absl's FLAGS are parsed once
     per process)."""
@@ -381,10 +422,13 @@ def test_a_step_at_temperature_0_7_scores_what_the_sampler_drew(tmp_path):
     """rl.temperature = 0.7: the sampler records log softmax(z / 0.7) of each drawn token and the
     update scores the same tokens at 0.7, so the first step's sampler/trainer gap, measured before
     any update (REINFORCE's rollout_mismatch), is rounding. A sampler returning temperature-1
-    log-probs would put it near the two distributions' gap instead."""
+    log-probs would put it near the two distributions' gap instead. The KL safeguard measures its
+    candidate at 0.7 too: what it checked is what the step realized (a KL at temperature 1 is
+    about twice that one here: (1/0.7)² for a small step)."""
     config = make_config("logra-kl", max_steps=1, rl=dict(temperature=0.7))
     run = trainer_lib.Run(config, tmp_path)
     run.loop()
     run.close()
     (row,) = metrics.read_jsonl(tmp_path / "metrics.jsonl")
     assert abs(row["rollout_mismatch"]) < 1e-5, row
+    _assert_the_safeguard_measured_each_step([row])

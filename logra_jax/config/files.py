@@ -10,12 +10,14 @@ there is one, and what to do.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import pathlib
 import re
+import sys
 import traceback
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import ml_collections
 
@@ -74,7 +76,35 @@ def load_config_file(path: str | pathlib.Path, *,
     return config
 
 
+# The package of the shared config modules (configs/base.py's presets and helpers) that config
+# files import.
+CONFIGS_PACKAGE = "configs"
+
+
+@contextlib.contextmanager
+def _own_configs_package() -> Iterator[None]:
+    """While a config file runs, ``import configs...`` gives it fresh copies of those modules, and
+    this process's own are put back after: a file that changes a module-level object of
+    configs/base.py (``base.REFERENCE_BATCH[0]["prompts_per_step"] = 4``, a preset of
+    ``LOGRA_VARIANTS``) changes its own config only, not every config loaded after it in the same
+    process (``launch.sync_bench --configs a.py,b.py``) nor the library's view of the base."""
+    def ours(name):
+        return name == CONFIGS_PACKAGE or name.startswith(CONFIGS_PACKAGE + ".")
+    saved = {name: sys.modules.pop(name) for name in list(sys.modules) if ours(name)}
+    try:
+        yield
+    finally:
+        for name in [name for name in sys.modules if ours(name)]:
+            del sys.modules[name]
+        sys.modules.update(saved)
+
+
 def _from_python(path: pathlib.Path, argument: str | None) -> ml_collections.ConfigDict:
+    with _own_configs_package():
+        return _run_python(path, argument)
+
+
+def _run_python(path: pathlib.Path, argument: str | None) -> ml_collections.ConfigDict:
     spec = importlib.util.spec_from_file_location(f"_config_{path.stem}", path)
     if spec is None:
         raise ConfigFileError(f"config file {str(path)!r} is not a Python file (a configs/*.py "

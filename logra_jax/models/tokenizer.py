@@ -106,7 +106,12 @@ class Tokenizer:
         tokenizer_file = path / "tokenizer.json"
         if not tokenizer_file.is_file():
             raise FileNotFoundError(f"no tokenizer.json in {path}")
-        backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+        try:
+            backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+        except Exception as e:   # tokenizers raises a bare Exception: a file cut short, not UTF-8
+            raise ValueError(f"{tokenizer_file} cannot be read as a tokenizer ({e}); a copy that "
+                             f"was cut short or is not a Hugging Face tokenizer.json: copy it "
+                             f"again from the model's source") from e
         config = _read_json(path / "tokenizer_config.json")
         template = config.get("chat_template")
         if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]

@@ -214,8 +214,9 @@ def prepare(model, *, targets: str = DEFAULT_TARGETS, rank: int = 256, seed: int
 
     Nothing in the model changes. The model may be abstract (``nnx.eval_shape``); with sharded
     arrays the probes and sketches are laid out like the kernels (their stack and out entries).
-    The same arguments as ``logra(...)``: rank r (capped at each target's in width), seed,
-    distribution and refresh fix A_l(k).
+    The same arguments as ``logra(...)``: rank r, seed, distribution and refresh fix A_l(k); r
+    must be below every target's input width, as everywhere (`SketchSpec`: an error naming the
+    targets, not a rank lowered for the narrow ones).
     """
     spec = SketchSpec(targets=targets, rank=rank, seed=seed, distribution=distribution,
                       refresh=refresh)

@@ -217,6 +217,7 @@ class LowRankUpdate:
 
     def delta_kernel(self, in_dim: int) -> jax.Array:
         """ΔK = Aᵀ·Uᵀ (*stack, in, out) in fp32 — the whole leaf at once (the drop-in path only)."""
+        _check_key(self)
         def one(u, key):
             return _delta_one(u, key, in_dim, self.distribution, self.exact)
         return by_platform(lambda f, k, chunk: map_layers(one, self.stack_shape, f, k, chunk=chunk),
@@ -313,7 +314,23 @@ def _delta_bytes(shape: tuple[int, int], exact: bool) -> int:
     return 4 * math.prod(shape) * (2 if exact else 1)
 
 
+def _check_key(update: LowRankUpdate):
+    """A's key must still be PRNG key data: a transform chained after ``logra(...)`` that maps
+    every leaf (``optax.scale(0.5)``) turns it into floats, and JAX's own error ("invalid PRNG key
+    data") does not say why."""
+    dtype = getattr(update.key, "dtype", None)
+    if dtype is not None and dtype != jnp.uint32:
+        raise ValueError(
+            f"a LowRankUpdate's key (the seed of its projection A) is {dtype}, not uint32: a "
+            f"transformation placed after logra(...) in an optax chain changed it (optax.scale "
+            f"and the like multiply every leaf of the update, A's key and weight_scale "
+            f"included). logra(...) must be the last transformation of the chain: put the other "
+            f"one before it, e.g. optax.chain(optax.scale(0.5), logra(...)), or scale logra's "
+            f"learning_rate (docs/optax_api.md)")
+
+
 def _check_kernel(kernel, update: LowRankUpdate):
+    _check_key(update)
     expected = update.stack_shape + (update.factor.shape[-2],)
     if kernel.ndim < 2 or tuple(kernel.shape[:-2]) + (kernel.shape[-1],) != expected:
         raise ValueError(f"a LowRankUpdate with factor {update.factor.shape} cannot update a kernel "

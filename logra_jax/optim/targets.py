@@ -79,8 +79,11 @@ class SketchSpec:
 
     Attributes:
       targets: regex searched in each parameter path; matches are sketched (§1).
-      rank: r. A target's rank is capped at its input width: r_l = min(rank, in_l), because
-        r ≥ in cannot compress G·Aᵀ further (the sketch would be at least as wide as the gradient).
+      rank: r, below every target's input width (`find_targets` refuses one that is not,
+        naming the targets): a sketch G·Aᵀ with r ≥ in compresses nothing (it is at least as wide
+        as the gradient), and a square kernel's sketch would have the kernel's shape. One rule
+        for every path in (``logra(...)``, ``nnx_sketch.prepare``, ``launch.train``), never a
+        rank lowered quietly for the narrow layers.
       seed: base seed of every projection.
       distribution: "rademacher" (±1/√r from hashed signs, default), "rademacher_threefry" (±1/√r,
         jax.random.rademacher's stream) or "gaussian" (N(0, 1/r)).
@@ -139,7 +142,7 @@ class SketchSpec:
         """{path: TargetInfo} of every target in ``params`` (ordered as the tree flattens).
 
         Raises ValueError when nothing matches — LoGRA must never silently train nothing — or when
-        a target's sketch shape equals its kernel shape, because gradients would be ambiguous.
+        ``rank`` is not below a target's input width (`SketchSpec`'s rank), naming those targets.
         """
         leaves = leaves_with_paths(params)
         found = {p: self.info(p, tuple(x.shape)) for p, x in leaves if self.is_target(p)}
@@ -150,7 +153,17 @@ class SketchSpec:
         stray = [path for path, _ in self.layouts if path not in found]
         if stray:
             raise ValueError(f"layouts name {stray}, which are not targets of these params")
-        for info in found.values():
+        narrow = [info for info in found.values() if self.rank >= info.in_dim]
+        if narrow:
+            narrowest = min(info.in_dim for info in narrow)
+            named = ", ".join(f"{info.path!r} ({info.in_dim})" for info in narrow[:4])
+            more = f" and {len(narrow) - 4} more" if len(narrow) > 4 else ""
+            raise ValueError(
+                f"rank {self.rank} is not below the input width of {len(narrow)} target"
+                f"{'s' if len(narrow) > 1 else ''}: {named}{more}; a sketch of rank r ≥ in "
+                f"compresses nothing, so no target's rank is lowered for it: lower rank below "
+                f"{narrowest} (or exclude those targets)")
+        for info in found.values():   # a layout's matrix view: the same ambiguity, stated
             if info.sketch_shape == info.kernel_shape:
                 raise ValueError(
                     f"target {info.path!r}: its sketch shape {info.sketch_shape} equals its kernel "

@@ -335,7 +335,7 @@ class RunParts:
         params = made.params
         self._initial = host_arrays.HostShards(params)
         self.rollout_spec = build.build_rollout_spec(config)
-        self.grader = build.build_grader(config.rl)
+        self.grader = build.build_grader(config.rl, config.data)
         self.advantages = self.algorithm.advantages(config.rl)
         self.batch_sharding = sharding_lib.batch_sharding(self.mesh, recipe.rows)
         self.rollout_batch_sharding = sharding_lib.batch_sharding(self.rollout_mesh, recipe.rows)

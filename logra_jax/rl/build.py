@@ -97,9 +97,9 @@ def build_model(cfg: ml_collections.ConfigDict, mesh: Mesh | None):
                          "Face folder of that model")
     if cfg.source == "tiny":
         tokenizer = gguf_loader.smollm2_tokenizer()  # with its chat template, from the SmolLM2 GGUF
-        model_config = ModelConfig(vocab_size=tokenizer.vocab_size, dtype=cfg.dtype,
-                                   param_dtype=cfg.param_dtype, remat=cfg.remat,
-                                   **model_shapes.tiny_fields(cfg.tiny))
+        model_config = model_shapes.tiny_model_config(
+            cfg.tiny, vocab_size=tokenizer.vocab_size, dtype=cfg.dtype,
+            param_dtype=cfg.param_dtype, remat=cfg.remat)
         model = Decoder(model_config, rngs=nnx.Rngs(cfg.init_seed))
         return (model if mesh is None else sharding_lib.shard_model(model, mesh)), tokenizer
     if model_shapes.is_random_source(cfg.source):
@@ -223,8 +223,12 @@ def build_rollout_spec(config: ml_collections.ConfigDict) -> RolloutSpec:
                        system_prompt=data.system_prompt or None, instruction=data.instruction or None)
 
 
-def build_grader(rl: ml_collections.ConfigDict) -> Grader:
+def build_grader(rl: ml_collections.ConfigDict,
+                 data: ml_collections.ConfigDict | None = None) -> Grader:
     """The math reward; what a wrong answer earns is the algorithm's (REINFORCE: ``rl.failure_reward``,
-    §7; GRPO: 0)."""
+    §7; GRPO: 0). ``data``: the prompts' section, to name their task when a reward fails."""
+    task = "the prompts"
+    if data is not None:
+        task = f"data.task={data.task}" if data.source == "task" else f"data.source={data.source}"
     return Grader(failure_reward=algorithms.get(rl.algorithm).failure_reward(rl),
-                  format_reward_weight=rl.format_reward_weight)
+                  format_reward_weight=rl.format_reward_weight, task=task)

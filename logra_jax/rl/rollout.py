@@ -13,7 +13,7 @@ every update (``after_update``). Two kinds, picked by `rollout_source`:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -41,23 +41,75 @@ class RolloutSpec:
     instruction: str | None = None
 
 
+# A reward function: the step's completions and their reference answers → one reward each.
+RewardFunction = Callable[[list[str], list[str]], Sequence[float]]
+
+
+class RewardError(ValueError):
+    """A reward function raised, or returned other than one finite number per completion. Its
+    message names the function and the task; the loop adds the step (`trainer.Run.loop`)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Grader:
-    """Outcome reward per completion (docs/algorithm.md §7), plus an optional format reward.
+    """Outcome reward per completion (docs/algorithm.md §7), plus an optional format reward:
+    the weighted sum of `functions`' rewards.
 
     failure_reward: what a wrong answer earns (the KL variant's REINFORCE: −0.01; GRPO: 0).
+    task: where the prompts come from, as the config says it (``data.task=chain_sum``), named
+    when a reward function fails.
+
+    Each function's output is checked before it is added: one finite number per completion. A
+    function that raises, returns a list of another length, or NaN / ±inf is a `RewardError`
+    naming it and the task — never a reward the advantages would silently mask, nor a shape
+    error deep in the batch's assembly.
     """
 
     failure_reward: float = 0.0
     format_reward_weight: float = 0.0
+    task: str = "the prompts"
+
+    def functions(self) -> list[tuple[str, float, RewardFunction]]:
+        """(name, weight, function) of each reward term; a subclass may add its own."""
+        def math(texts, golds):
+            return [rewards.math_reward(t, g, failure_reward=self.failure_reward)
+                    for t, g in zip(texts, golds)]
+
+        def form(texts, golds):
+            del golds
+            return [rewards.format_reward(t) for t in texts]
+
+        terms = [("rewards.math_reward", 1.0, math)]
+        if self.format_reward_weight:
+            terms.append(("rewards.format_reward", self.format_reward_weight, form))
+        return terms
 
     def __call__(self, texts: list[str], golds: list[str]) -> np.ndarray:
-        r = np.array([rewards.math_reward(t, g, failure_reward=self.failure_reward)
-                      for t, g in zip(texts, golds)], np.float32)
-        if self.format_reward_weight:
-            r += self.format_reward_weight * np.array([rewards.format_reward(t) for t in texts],
-                                                      np.float32)
-        return r
+        total = np.zeros(len(texts), np.float32)
+        for name, weight, function in self.functions():
+            total += weight * self._checked(name, function, texts, golds)
+        return total
+
+    def _checked(self, name: str, function: RewardFunction, texts: list[str],
+                 golds: list[str]) -> np.ndarray:
+        who = f"reward function {name} on {self.task}"
+        try:
+            scores = function(texts, golds)
+            r = np.asarray(scores, np.float64)
+        except Exception as e:   # the user's code: its exception, named, without a traceback
+            said = " ".join(str(e).split("\n")) or "(no message)"
+            raise RewardError(f"{who} raised {type(e).__name__}: {said}") from e
+        if r.shape != (len(texts),):
+            raise RewardError(f"{who} returned rewards of shape {r.shape} for {len(texts)} "
+                              f"completions: it must return one number per completion, shape "
+                              f"({len(texts)},)")
+        bad = np.flatnonzero(~np.isfinite(r))
+        if bad.size:
+            i = int(bad[0])
+            raise RewardError(f"{who} returned {r[i]} for {bad.size} of {len(texts)} completions "
+                              f"(the first, row {i}: {texts[i][:60]!r}, answer {golds[i]!r}); a "
+                              f"reward must be a finite number")
+        return r.astype(np.float32)
 
 
 @dataclasses.dataclass

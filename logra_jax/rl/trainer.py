@@ -15,6 +15,7 @@ bottom like the loop it runs (big_vision style): assemble the run's parts from t
 from __future__ import annotations
 
 import contextlib
+import os
 import pathlib
 import signal
 import time
@@ -32,7 +33,7 @@ from logra_jax import metrics as metrics_lib
 from logra_jax.rl import assembly, build, stopping
 from logra_jax.rl import workdir as workdir_lib
 from logra_jax.rl.assembly import RunParts
-from logra_jax.rl.rollout import Rollouts, collect_rollouts, work_metrics
+from logra_jax.rl.rollout import RewardError, Rollouts, collect_rollouts, work_metrics
 from logra_jax.rl.update import TrainBatch
 from logra_jax.tree_paths import nonfinite_leaves
 
@@ -305,6 +306,15 @@ class Run:
             with stopping.deferred() as stop:
                 last, step, params, opt_state, stopped = self._steps(
                     stop, step, params, opt_state, baseline, rollouts, writer, base_rng)
+        except RewardError as e:   # the step in progress: the last written one's next
+            writer.close()
+            self._forget_steps_without_checkpoint()
+            failed = (writer.rows[-1]["step"] if writer.rows else writer.start_step) + 1
+            raise RewardError(f"step {failed}: {e}") from e.__cause__
+        except BaseException:
+            writer.close()
+            self._forget_steps_without_checkpoint()
+            raise
         finally:
             writer.close()
         self.params, self.opt_state = params, opt_state
@@ -377,6 +387,26 @@ class Run:
                           {**dict(zip(LOOP_META, (step, baseline, data.state()))),
                            CONFIG_META: self._fingerprint})
         return last, step, params, opt_state, stopped
+
+    def _forget_steps_without_checkpoint(self) -> None:
+        """After a failed step, when no checkpoint holds any of this run's steps (a fresh run
+        that failed before its first save): its metrics rows describe weights that are gone, and
+        rows without a checkpoint make the workdir refuse the same command. They are dropped, so
+        `close` takes back what the run created (config.json, tensorboard/) and the workdir is as
+        the run found it; the same command then starts again. With a checkpoint the workdir
+        already resumes (a resume replaces the rows after it) and the rows stay, a diverged
+        step's included, for the record."""
+        if self._restored or not distributed.is_primary() or self.ckpt is None:
+            return
+        if self.ckpt.latest_step() is not None:
+            return
+        path = self.workdir / workdir_lib.METRICS
+        if path.exists() and not path.is_symlink() and path.stat().st_size:
+            with stopping.critical():
+                tmp = path.with_name(f".{path.name}.tmp")
+                tmp.write_text("", encoding="utf-8")
+                os.replace(tmp, path)
+        self._trained = False
 
     def _check_divergence(self, step: int, row: dict, params, skipped_in_a_row: int) -> int:
         """Counts updates dropped as non-finite (the weights stayed as they were) and stops the run

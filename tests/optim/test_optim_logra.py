@@ -384,3 +384,25 @@ def test_warmup_starts_at_a_tenth_of_the_rate():
     for count, want in ((0, 5e-7), (25, 2.75e-6), (50, 5e-6), (80, 5e-6)):
         np.testing.assert_allclose(float(schedule(count)), want, rtol=1e-6)
     np.testing.assert_allclose(float(warmup_constant(5e-6, 0)(0)), 5e-6)   # no warmup
+
+
+def test_a_transform_after_logra_in_a_chain_is_named_not_an_invalid_key():
+    """optax.chain(logra(...), optax.scale(0.5)) scales every leaf of the update, A's key too (to
+    floats): applying it is one ValueError saying LoGRA goes last, with either merge, not JAX's
+    "invalid PRNG key data". The same scale placed before LoGRA applies."""
+    params = {"layers": {"mlp": {"up_proj": {"kernel": jnp.ones((2, 16, 32))}}}, "norm": jnp.ones(4)}
+    grads = jax.tree.map(lambda p: jnp.full_like(p, 0.1), params)
+
+    def updates_of(tx):
+        return tx.update(grads, tx.init(params), params)[0]
+
+    after = updates_of(optax.chain(logra(rank=4), optax.scale(0.5)))
+    for merge in (optax.apply_updates, apply_updates):
+        with pytest.raises(ValueError, match=r"key \(the seed of its projection A\) is float32, not "
+                                             r"uint32: a transformation placed after logra\(\.\.\.\).*"
+                                             r"logra\(\.\.\.\) must be the last transformation"):
+            merge(params, after)
+    before = updates_of(optax.chain(optax.scale(0.5), logra(rank=4)))
+    merged = apply_updates(params, before)
+    assert not np.array_equal(merged["layers"]["mlp"]["up_proj"]["kernel"],
+                              params["layers"]["mlp"]["up_proj"]["kernel"])
