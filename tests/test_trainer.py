@@ -37,8 +37,10 @@ def test_end_to_end_logs_finite_metrics(name, parts_of, tmp_path):
         for key, value in row.items():
             assert np.isfinite(value), f"{name}: metric {key} = {value}"
         for key in ("reward", "entropy", "completions/mean_length", "time/rollout", "time/update",
-                    "logra/realized_kl"):
+                    "logra/realized_kl", "rollout/kept_tokens", "rollout/decode_row_steps",
+                    "rollout/efficiency", "rollout/prefill_tokens"):
             assert key in row, f"{name}: {key} not logged"
+        assert 0 < row["rollout/efficiency"] <= 1, row
     if name.startswith("logra"):
         assert "logra/predicted_kl" in last and "logra/alpha" in last
         _assert_the_safeguard_measured_each_step(rows)
