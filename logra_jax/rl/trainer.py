@@ -1,6 +1,7 @@
 """The RL training loop: rollout → rewards → advantages → reference log-probs → policy update.
 
-`train(config, workdir)` is the whole job behind ``python -m launch.train``. It reads top to
+`Run(config, workdir)` is the job behind ``python -m launch.train`` (which adds its one-line
+errors and signal exits around it; `train` is the same without them, for code). It reads top to
 bottom like the loop it runs (big_vision style): assemble the run's parts from the config
 (rl/assembly.py), resume if the workdir holds a checkpoint, then per step
 
