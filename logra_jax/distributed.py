@@ -174,14 +174,19 @@ def agree(what: str, facts: dict[str, Any], timeout: float) -> None:
     published: dict[int, dict] = {}
     while len(published) < count:
         for p in range(count):
-            ended = _try_get(client, f"{EXIT_KEY}{p}") if p != me else None
-            if ended is not None:
-                raise ValueError(f"process {p} of {count} stopped before {what}: {ended}")
-        for p in range(count):
             if p not in published:
                 text = _try_get(client, key + str(p))
                 if text is not None:
                     published[p] = json.loads(text)
+        # A process that ended without publishing here (one that published, then found the
+        # same disagreement, may have ended too: its facts are compared below).
+        for p in range(count):
+            ended = _try_get(client, f"{EXIT_KEY}{p}") if p not in published else None
+            if ended is not None:
+                text = _try_get(client, key + str(p))   # published since the read above?
+                if text is None:
+                    raise ValueError(f"process {p} of {count} stopped before {what}: {ended}")
+                published[p] = json.loads(text)
         if len(published) < count:
             if time.monotonic() > deadline:
                 missing = ", ".join(str(p) for p in range(count) if p not in published)
