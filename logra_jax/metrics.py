@@ -10,6 +10,7 @@ import json
 import math
 import os
 import pathlib
+import stat
 import sys
 from typing import Mapping
 
@@ -124,6 +125,7 @@ class MetricsWriter:
     def write(self, step: int, metrics: Mapping[str, object]) -> dict:
         row = {"step": int(step), **to_python(metrics)}
         if self._file is not None:
+            self._follow_the_path(step)
             self._file.write(json.dumps(row) + "\n")
             self._file.flush()
         if self._tb is not None:
@@ -141,6 +143,26 @@ class MetricsWriter:
                               for label, v in shown.items()), flush=True)
         self.rows.append(row)
         return row
+
+    def _follow_the_path(self, step: int) -> None:
+        """Rows go to ``self.path``, not to whatever the open file became: one moved or deleted
+        during the run is left with the rows it holds, and a new file at the path takes the rest,
+        said once; a path that became a folder (or a device) is an OSError naming it."""
+        try:
+            here = os.stat(self.path)
+        except FileNotFoundError:
+            here = None
+        if here is not None and not stat.S_ISREG(here.st_mode):
+            raise OSError(f"{self.path} is no longer a regular file: step {step}'s metrics cannot "
+                          f"be written; move it out of the way (the checkpoint before this step "
+                          f"resumes the run)")
+        held = os.fstat(self._file.fileno())
+        if here is not None and (here.st_dev, here.st_ino) == (held.st_dev, held.st_ino):
+            return
+        self._file.close()
+        self._file = open(self.path, "a", encoding="utf-8")
+        print(f"warning: {self.path} was moved or deleted during the run; the rows of steps "
+              f"{step} on go to a new {self.path}", file=sys.stderr)
 
     def summary(self) -> str | None:
         """One line saying what this run trained: steps, reward, seconds per step, where the

@@ -304,3 +304,26 @@ def test_a_workdir_path_too_long_for_the_filesystem_is_one_line(tmp_path, no_mod
     line = _refusal(tiny_config(), tmp_path / ("x" * 300))
     assert line.startswith(f"error: workdir {tmp_path / ('x' * 300)} cannot be created: "), line
     assert "File name too long" in line
+
+
+def test_metrics_rows_follow_the_path_when_the_file_is_moved_or_replaced(tmp_path, capsys):
+    """metrics.jsonl moved during a run: the rows it holds stay there, the rest go to a new file at
+    the path, said once (they went to the moved file); the path made a folder: an OSError naming
+    it (the closing line named a folder)."""
+    from logra_jax import metrics as metrics_lib
+    writer = metrics_lib.MetricsWriter(tmp_path, total_steps=4, tensorboard=False, progress=False)
+    writer.write(1, {"reward": 0.5})
+    path = tmp_path / "metrics.jsonl"
+    path.rename(tmp_path / "moved.jsonl")
+    writer.write(2, {"reward": 0.25})
+    writer.write(3, {"reward": 0.75})
+    assert [r["step"] for r in metrics_lib.read_jsonl(tmp_path / "moved.jsonl")] == [1]
+    assert [r["step"] for r in metrics_lib.read_jsonl(path)] == [2, 3]
+    warnings = [l for l in capsys.readouterr().err.splitlines() if "moved or deleted" in l]
+    assert warnings == [f"warning: {path} was moved or deleted during the run; the rows of steps "
+                        f"2 on go to a new {path}"]
+    path.unlink()
+    path.mkdir()
+    with pytest.raises(OSError, match=f"{path} is no longer a regular file: step 4's metrics"):
+        writer.write(4, {"reward": 1.0})
+    writer.close()
