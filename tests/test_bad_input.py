@@ -154,14 +154,15 @@ ROWS = [
          gsm8k_cache_dir=str(tmp / "cache"))), "train.jsonl:2: not UTF-8 text (invalid start byte"),
     ("resume-other-rank", dict(optimizer=dict(logra=dict(rank=4))),
      "holds a run with another config: optimizer.logra.rank changed"),
-]
-# What only the model (or its tokenizer) can tell: these rows build it, in a new workdir (each
-# changes a key that the resume check of the trained workdir would refuse first).
-MODEL_ROWS = [
+    # Found with the tokenizer alone, before the model is built (it was found after, 12-15 s in).
     ("prompts-too-long", dict(rl=dict(max_prompt_length=8)),
      "longer than rl.max_prompt_length=8 tokens (the longest has 46): none is left"),
     ("prompts-too-long-no-skip", dict(rl=dict(max_prompt_length=8), data=dict(skip_long_prompts=False)),
      "raise rl.max_prompt_length to 46, or set data.skip_long_prompts=True"),
+]
+# What only the model (or its tokenizer) can tell: these rows build it, in a new workdir (each
+# changes a key that the resume check of the trained workdir would refuse first).
+MODEL_ROWS = [
     ("model-missing-path", dict(model=dict(source="/no/such/model")),
      "model source '/no/such/model' does not exist"),
     ("model-unknown-name", dict(model=dict(source="gpt-17")), "unknown model source 'gpt-17'"),
@@ -222,7 +223,7 @@ def _cut_hf_folder(tmp: pathlib.Path) -> str:
 
 
 # Rows found after the workdir's resume check (which would refuse their key first): a new workdir.
-NEW_WORKDIR = {"mesh-indivisible", "mesh-too-big"}
+NEW_WORKDIR = {"mesh-indivisible", "mesh-too-big", "prompts-too-long", "prompts-too-long-no-skip"}
 
 
 def _refuses_on_a_copy(trained, tmp_path, overrides, message, new_workdir=False):

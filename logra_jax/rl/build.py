@@ -36,6 +36,8 @@ from logra_jax import model_shapes
 from logra_jax import sharding as sharding_lib
 from logra_jax.data import PromptIterator
 from logra_jax.models import Decoder, ModelConfig, from_pretrained, gguf_loader, hf_loader
+from logra_jax.models.pretrained import KNOWN_MODELS
+from logra_jax.models.tokenizer import Tokenizer
 from logra_jax.rl import algorithms, optimizers
 from logra_jax.rl.optimizers import Optimizer
 from logra_jax.rl.policy import Policy
@@ -108,6 +110,21 @@ def build_model(cfg: ml_collections.ConfigDict, mesh: Mesh | None):
     with _naming_the_source(cfg):
         return from_pretrained(cfg.source, mesh=mesh, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
                                remat=cfg.remat)
+
+
+def build_tokenizer(cfg: ml_collections.ConfigDict) -> Tokenizer | None:
+    """The tokenizer ``config.model`` names, read without the weights, for the checks that need
+    one before the model is built (every prompt fits the prompt window): SmolLM2's for "tiny",
+    "random:" and the packaged SmolLM2, a Hugging Face folder's own. None where it comes only with
+    the weights (a GGUF file: its header holds it) or for a source `build_model` refuses."""
+    if (cfg.source == "tiny" or model_shapes.is_random_source(cfg.source)
+            or str(cfg.source).lower() in KNOWN_MODELS):
+        return gguf_loader.smollm2_tokenizer()
+    folder = pathlib.Path(cfg.source)
+    if folder.is_dir() and (folder / "tokenizer.json").is_file():
+        with _naming_the_source(cfg):
+            return Tokenizer.from_hf_dir(folder)
+    return None
 
 
 def random_model(model_config: ModelConfig, seed: int, mesh: Mesh | None) -> Decoder:

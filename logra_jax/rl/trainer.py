@@ -34,7 +34,8 @@ from logra_jax import metrics as metrics_lib
 from logra_jax.rl import assembly, build, stopping
 from logra_jax.rl import workdir as workdir_lib
 from logra_jax.rl.assembly import RunParts
-from logra_jax.rl.rollout import RewardError, Rollouts, collect_rollouts, work_metrics
+from logra_jax.rl.rollout import (RewardError, Rollouts, collect_rollouts, fit_prompt_window,
+                                  work_metrics)
 from logra_jax.rl.update import TrainBatch
 from logra_jax.tree_paths import nonfinite_leaves
 
@@ -162,12 +163,18 @@ class Run:
                 self._lock = workdir_lib.WorkdirLock(self.workdir)
                 self._lock.acquire()
             source = build.build_prompt_source(config.data)   # the data files: bad input first
+            # Every prompt fits the prompt window, checked with the tokenizer alone where it
+            # comes without the weights (a refusal in a moment, not after the model is built).
+            early = build.build_tokenizer(config.model)
+            if early is not None:
+                source = fit_prompt_window(source, early, build.build_rollout_spec(config),
+                                           skip_long=config.data.skip_long_prompts)
             self._open_history(fresh)
             # The parts hold compiled functions; runs of one config (e.g. a resumed run) may share them.
             self.parts = parts if parts is not None else recipe.build()
             self.data = build.build_data(config.data, config.seed, source=source,
                                          tokenizer=self.parts.tokenizer,
-                                         rollout_spec=self.parts.rollout_spec)
+                                         rollout_spec=None if early else self.parts.rollout_spec)
             if fresh:   # everything that could fail has been built: now the earlier run moves
                 self._set_aside()
             self._present = workdir_lib.present(self.workdir)
