@@ -547,25 +547,18 @@ def test_a_config_file_changing_the_bases_presets_changes_its_own_config_only(tm
     as before: each file runs with its own copy of the configs package."""
     import copy
     mutating, plain = tmp_path / "a.py", tmp_path / "b.py"
-    mutating.write_text(
-        "from configs import base\n"
-        "base.REFERENCE_BATCH[0]['prompts_per_step'] = 4\n"
-        "base.LOGRA_VARIANTS['kl'][0]['kl_control'] = False\n"
-        "base.DEFAULT_TARGETS = r'q_proj/kernel$'\n"
-        "def get_config():\n"
-        "    c = base.get_config()\n"
-        "    base.use_reference_batch(c, 8)\n"
-        "    base.use_logra_variant(c, 'kl')\n"
-        "    c.optimizer.logra.targets = base.DEFAULT_TARGETS\n"
-        "    return c\n")
-    plain.write_text(
-        "from configs import base\n"
-        "def get_config():\n"
-        "    c = base.get_config()\n"
-        "    base.use_reference_batch(c, 8)\n"
-        "    base.use_logra_variant(c, 'kl')\n"
-        "    c.optimizer.logra.targets = base.DEFAULT_TARGETS\n"
-        "    return c\n")
+    # Both files build their config the same way from the presets; one first changes them.
+    get_config = ("def get_config():\n"
+                  "    c = base.get_config()\n"
+                  "    base.use_reference_batch(c, 8)\n"
+                  "    base.use_logra_variant(c, 'kl')\n"
+                  "    c.optimizer.logra.targets = base.DEFAULT_TARGETS\n"
+                  "    return c\n")
+    mutating.write_text("from configs import base\n"
+                        "base.REFERENCE_BATCH[0]['prompts_per_step'] = 4\n"
+                        "base.LOGRA_VARIANTS['kl'][0]['kl_control'] = False\n"
+                        "base.DEFAULT_TARGETS = r'q_proj/kernel$'\n" + get_config)
+    plain.write_text("from configs import base\n" + get_config)
     presets = copy.deepcopy((base.REFERENCE_BATCH, base.LOGRA_VARIANTS, base.DEFAULT_TARGETS))
     before = config_lib.as_json(config_lib.load_config_file(plain))
     mutated = config_lib.load_config_file(mutating)
