@@ -453,7 +453,7 @@ def test_chunked_decoding_draws_the_per_token_loops_tokens(setup, monkeypatch):
     (`Sampler`'s in_chunks); run here on XLA:CPU, it records exactly what the per-token loop
     records: rows ending at different steps, a row that never ends, a call stopped early
     (``limit``), a completion shorter than one chunk."""
-    from logra_jax.rl import sampler as sampler_lib
+    from logra_jax.rl.sampler import static as sampler_lib
     policy, params, _, prompts, tokens, mask = setup
     eos = [int(t) for t in greedy_by_recompute(policy, params, prompts[1], 3)[1:2]]   # row 1 ends
     steps = sampler_lib.DECODE_CHUNK + 5
@@ -555,3 +555,28 @@ def test_a_nucleus_draw_at_a_temperature_keeps_the_tempered_nucleus(setup, top_k
     # The check can fail: the untempered nucleus is wider at most drawn positions.
     wider = (wide.sum(-1) > tempered.sum(-1))[valid]
     assert wider.mean() > 0.5, wider.mean()
+
+
+@pytest.mark.parametrize("top_k", [0, 5])
+def test_a_rows_draw_is_keyed_by_its_row_and_position_not_its_place_in_the_batch(top_k):
+    """`draw`'s noise depends on the run key, the row's index in the rollout batch and the token's
+    position only: the same rows drawn in another order, or a few of them alone (a slot engine
+    decodes any row in any slot, next to any others), draw the same tokens; the same row at
+    another position draws other noise."""
+    from logra_jax.rl.sampler import draw
+    vocab, batch = 64, 12
+    logits_t = jax.random.normal(jax.random.key(0), (vocab, batch)) * 0.1   # nearly flat
+    key = jax.random.key(7)
+    positions = jnp.arange(batch, dtype=jnp.int32) * 3 % 7
+    rows = jnp.arange(batch, dtype=jnp.int32) + 100
+    kw = dict(temperature=1.0, greedy=False, top_k=top_k, top_p=1.0)
+    tokens, logprobs = draw(logits_t, key, positions, rows, **kw)
+    perm = jnp.asarray(np.random.default_rng(0).permutation(batch))
+    again, again_logprobs = draw(logits_t[:, perm], key, positions[perm], rows[perm], **kw)
+    np.testing.assert_array_equal(again, tokens[perm])
+    np.testing.assert_array_equal(again_logprobs, logprobs[perm])
+    few = perm[:3]
+    np.testing.assert_array_equal(draw(logits_t[:, few], key, positions[few], rows[few], **kw)[0],
+                                  tokens[few])
+    moved, _ = draw(logits_t, key, positions + 1, rows, **kw)
+    assert (moved != tokens).sum() >= batch // 2, "a row's noise ignores its token's position"

@@ -18,7 +18,6 @@ number of chips.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Sequence
 
 import jax
@@ -27,212 +26,19 @@ import numpy as np
 from absl import logging
 
 from logra_jax.models import decode_kernels
-from logra_jax.projections import check_counter_range, hash_positions
+from logra_jax.projections import check_counter_range
 from logra_jax.rl import decode_mode
 from logra_jax.rl.policy import Policy
+from logra_jax.rl.sampler.draw import draw
+from logra_jax.rl.sampler.output import SampleOutput
+from logra_jax.rl.sampler.prompts import decode_completions, left_align, pad_prompts
 from logra_jax.sharding import mesh_of
 
-NEG_INF = -1e30
 # Decode steps a GPU takes between two reads of "is a row still going?" (`Sampler`'s in_chunks):
 # every read is a device-to-host copy that stalls the queue; 16 keeps the discarded passes after
 # the last row's end under 16 of a call's C − 1 (2 % of a 768-token completion).
 DECODE_CHUNK = 16
 CHUNKED_PLATFORMS = ("cuda", "rocm")   # `jax.lax.platform_dependent`'s names for the GPUs
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class SampleOutput:
-    """Completions of a batch: tokens, the sampling log-probs of each token, and validity masks.
-
-    ``logprobs`` are log softmax(logits / temperature) of the sampled token, before top-k/top-p
-    truncation: with temperature 1 they are the model's own log-probs, which is what the RL losses
-    compare against. ``mask`` is True for generated tokens up to and including EOS.
-
-    ``token_steps`` is the work the decode loop ran, counted by the program's own loop (not
-    inferred from the masks): for each row, the token steps of the pass that drew it, one draw for
-    every row of that pass each, the first from the prefill's logits and every later one after a
-    decode forward pass. A pass runs until its longest row ends, so a row of L kept tokens in a
-    pass whose longest row keeps L_max cost L_max steps (L_max − 1 forward passes), and a GPU's
-    16-token chunks also run the discarded steps of the last chunk: 1 + 16·⌈(L_max − 1)/16⌉.
-    Σ token_steps = the row-steps executed (`rollout.work_metrics`).
-    """
-
-    prompt_tokens: jax.Array      # [b, P] left-padded
-    prompt_mask: jax.Array        # [b, P] bool
-    tokens: jax.Array             # [b, C]
-    logprobs: jax.Array           # [b, C] float32
-    mask: jax.Array               # [b, C] bool
-    finished: jax.Array           # [b] bool: the row emitted EOS
-    token_steps: jax.Array        # [b] int32: token steps its pass ran (forward passes + 1)
-
-
-def decode_completions(tokenizer, tokens: np.ndarray, mask: np.ndarray, eos_ids) -> list[str]:
-    """The text of each completion row: its valid tokens, EOS dropped."""
-    eos = set(int(e) for e in eos_ids)
-    return [tokenizer.decode([int(t) for t, v in zip(row, m) if v and int(t) not in eos])
-            for row, m in zip(tokens, mask)]
-
-
-def left_align(tokens: np.ndarray | jax.Array, mask: np.ndarray | jax.Array, pad_id: int):
-    """Moves each row's real tokens to the right end ([pad … pad, t0 … tn]).
-
-    Accepts left- or right-padded (or arbitrarily holed) rows; token order within a row is kept.
-    """
-    tokens = jnp.asarray(tokens, jnp.int32)
-    mask = jnp.asarray(mask, bool)
-    # Stable sort on "is real" puts pads first and keeps the real tokens in order.
-    order = jnp.argsort(mask.astype(jnp.int32), axis=1, stable=True)
-    tokens = jnp.take_along_axis(tokens, order, axis=1)
-    mask = jnp.take_along_axis(mask, order, axis=1)
-    return jnp.where(mask, tokens, pad_id), mask
-
-
-def pad_prompts(prompts: Sequence[Sequence[int]], length: int, pad_id: int):
-    """Left-pads token lists to ``length``; a prompt longer than that is an error, not a truncation."""
-    too_long = [i for i, p in enumerate(prompts) if len(p) > length]
-    if too_long:
-        longest = max(len(prompts[i]) for i in too_long)
-        raise ValueError(f"{len(too_long)} prompt(s) exceed max_prompt_length={length} "
-                         f"(longest has {longest} tokens); raise max_prompt_length or shorten them")
-    tokens = np.full((len(prompts), length), pad_id, np.int32)
-    mask = np.zeros((len(prompts), length), bool)
-    for i, p in enumerate(prompts):
-        if len(p):
-            tokens[i, length - len(p):] = p
-            mask[i, length - len(p):] = True
-    return tokens, mask
-
-
-def first_argmax(x: jax.Array, axis: int) -> jax.Array:
-    """jnp.argmax(x, axis): the first maximum's index, or the first NaN's.
-
-    XLA's CPU backend runs argmax, a reduction over (value, index) pairs, as a scalar loop: over
-    16 × 49 152 logits it took 3.3× as long as a max, then the smallest index holding it, which is
-    what a program compiled for XLA:CPU runs (`jax.lax.platform_dependent`). Elsewhere argmax's
-    own one-pass reduction (two passes over a [V, 64] f32 array are 39 MB more per decode step).
-    Both give the same index.
-    """
-    def two_reductions(x):
-        top = jnp.max(x, axis=axis, keepdims=True)
-        index = jax.lax.broadcasted_iota(jnp.int32, x.shape, axis % x.ndim)
-        at_top = (x == top) | jnp.isnan(x)
-        return jnp.min(jnp.where(at_top, index, x.shape[axis]), axis=axis)
-
-    return jax.lax.platform_dependent(
-        x, cpu=two_reductions, default=lambda x: jnp.argmax(x, axis=axis).astype(jnp.int32))
-
-
-def gumbel_noise(key: jax.Array, positions: jax.Array) -> jax.Array:
-    """−log(−log u) for the logits at row-major ``positions`` (uint32) of a [rows, V] array, u
-    from the counter hash (`gumbel_max` says why and how)."""
-    u = ((hash_positions(key, positions) >> 8).astype(jnp.float32) + 0.5) * (2.0 ** -24)
-    return jnp.log(-jnp.log(u))
-
-
-def gumbel_max(key: jax.Array, logits: jax.Array, *, vocab_axis: int = -1,
-               rows: jax.Array | None = None) -> jax.Array:
-    """One draw per row from softmax(logits) (int32 [rows]), by the Gumbel-max trick:
-
-        token = argmax_v (logits_v + g_v),   g_v = −log(−log u_v),   u_v ~ U(0, 1) independent
-
-    (argmax of logits plus independent standard Gumbel noise is distributed as softmax(logits)).
-    ``logits``: [rows, V], or [V, rows] with ``vocab_axis=0`` (how a decode step's head writes
-    them, `Decoder.vocab_major_logits`); either layout draws the same tokens. u comes from the
-    counter hash `projections.hashed_bits`, one 32-bit word per logit at its row-major position
-    in the [rows, V] array, whose top 24 bits pick the centre of one of 2²⁴ equal bins:
-    u ∈ [2⁻²⁵, 1 − 2⁻²⁵], so g ∈ [−2.85, 17.33] (a standard Gumbel leaves that range with
-    probability 3·10⁻⁸). Why not `jax.random.categorical`, which does the same with threefry
-    bits: XLA's CPU backend runs threefry as a loop of rounds, ~16 ms of a 100 ms SmolLM2 decode
-    step at batch 16 (docs/results/sampler.md); hashed bits fuse into the argmax. Like
-    threefry's, they are a function of the key and each logit's global position, so a batch
-    split over other devices or processes draws the same tokens. Gumbel-max, not an inverse-CDF
-    draw: a last-bit change of the logits (another layout sums in another order) flips its token
-    only at a near-tie of the two largest perturbed logits. ``rows`` (int32 [rows]): the row
-    each logits row stands for in a larger batch (default 0, 1, …): a batch drawn in parts
-    (`Sampler`'s ``rows_per_pass``) draws each row's noise from the same positions as one pass.
-    """
-    if logits.ndim != 2:
-        raise ValueError(f"gumbel_max takes [rows, V] or [V, rows] logits, got shape {logits.shape}")
-    vocab_axis %= 2
-    check_counter_range(logits.shape)
-    vocab = logits.shape[vocab_axis]
-    row = jax.lax.broadcasted_iota(jnp.uint32, logits.shape, 1 - vocab_axis)
-    if rows is not None:
-        row = jnp.expand_dims(rows.astype(jnp.uint32), vocab_axis) + jnp.zeros_like(row)
-    position = row * jnp.uint32(vocab) + jax.lax.broadcasted_iota(jnp.uint32, logits.shape, vocab_axis)
-    return first_argmax(logits - gumbel_noise(key, position), vocab_axis)
-
-
-def filter_logits(logits: jax.Array, top_k: int, top_p: float) -> jax.Array:
-    """Top-k then nucleus (top-p) filtering; removed entries become -inf. top_k=0 / top_p=1 disable."""
-    if top_k and top_k < logits.shape[-1]:
-        kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
-        logits = jnp.where(logits < kth, NEG_INF, logits)
-    if top_p < 1.0:
-        sorted_logits = jnp.sort(logits, axis=-1)[..., ::-1]
-        probs = jax.nn.softmax(sorted_logits, axis=-1)
-        # Keep the smallest prefix whose mass reaches top_p (the token crossing it is kept).
-        mass_before = jnp.cumsum(probs, axis=-1) - probs
-        keep = mass_before < top_p
-        threshold = jnp.min(jnp.where(keep, sorted_logits, jnp.inf), axis=-1, keepdims=True)
-        logits = jnp.where(logits < threshold, NEG_INF, logits)
-    return logits
-
-
-# How many of the most probable tokens a nucleus (top-p) draw chooses from, at least: XLA:GPU
-# finds up to 16 largest of each row in one pass of its TopK kernel and sorts the whole row
-# for more (a sort of every row's vocabulary per decode step); `truncation` says what it means.
-TOP_P_CANDIDATES = 16
-
-
-def truncation(logits: jax.Array, top_k: int, top_p: float, log_total: jax.Array | None = None):
-    """(values, ids, keep) [rows, n]: the candidates a top-k / top-p draw chooses from, the
-    n = max(top_k, TOP_P_CANDIDATES) largest logits of each row of ``logits`` [rows, V] (only
-    top_k when top_p = 1) in descending order (equal logits: the lower id first), their token
-    ids, and which of them the draw keeps:
-
-    - top-k: the first top_k candidates.
-    - top-p: the shortest prefix of the kept candidates whose probability reaches top_p (the
-      candidate crossing it is kept), probabilities of softmax(logits) (``log_total`` =
-      log Σ exp(logits) when given) or, with top_k, of softmax over the top_k candidates: the
-      nucleus of the full-vocabulary sort (`filter_logits`) whenever it has at most n tokens.
-      When the n candidates together hold less than top_p, all n are kept: the nucleus capped
-      at n tokens, where the full sort would keep more (a flat distribution).
-
-    Ties are where the two can also differ: `filter_logits` keeps every logit equal to the
-    k-th, or to the one crossing top_p; here a tie at either boundary is cut at the lower ids.
-    """
-    size = max(top_k, TOP_P_CANDIDATES) if top_p < 1.0 else top_k
-    size = min(size, logits.shape[-1])
-    values, ids = jax.lax.top_k(logits, size)
-    keep = jnp.ones(values.shape, bool)
-    if top_k:
-        keep = jax.lax.broadcasted_iota(jnp.int32, values.shape, 1) < top_k
-    if top_p < 1.0:
-        if top_k:
-            log_norm = jax.nn.logsumexp(jnp.where(keep, values, -jnp.inf), axis=-1, keepdims=True)
-        else:
-            log_norm = (jax.nn.logsumexp(logits, axis=-1) if log_total is None else log_total)[:, None]
-        probs = jnp.where(keep, jnp.exp(values - log_norm), 0.0)
-        keep = keep & (jnp.cumsum(probs, axis=-1) - probs < top_p)
-    return values, ids, keep
-
-
-def truncated_draw(key: jax.Array, logits: jax.Array, top_k: int, top_p: float,
-                   rows: jax.Array | None = None, log_total: jax.Array | None = None) -> jax.Array:
-    """One draw per row of ``logits`` [rows, V] among the tokens `truncation` keeps: the
-    Gumbel-max draw of `gumbel_max` (the same noise at each token's place in [rows, V], the
-    same first-index rule for equal perturbed logits), evaluated at the candidates only. So it
-    draws the token `gumbel_max` draws from `filter_logits`' output whenever the two keep the
-    same tokens."""
-    values, ids, keep = truncation(logits, top_k, top_p, log_total)
-    vocab = logits.shape[-1]
-    row = (jnp.arange(logits.shape[0], dtype=jnp.uint32) if rows is None else rows.astype(jnp.uint32))
-    perturbed = jnp.where(keep, values - gumbel_noise(key, row[:, None] * jnp.uint32(vocab)
-                                                      + ids.astype(jnp.uint32)), -jnp.inf)
-    best = jnp.max(perturbed, axis=-1, keepdims=True)
-    return jnp.min(jnp.where(perturbed == best, ids, vocab), axis=-1).astype(jnp.int32)
 
 
 def _platform(leaves) -> str:
@@ -274,7 +80,7 @@ class Sampler:
         fit one v6e-8 host, docs/results/memory.md). Pass j takes rows j, j + k, j + 2k, … (k =
         batch / n passes): each device's own rows split among the passes, so splitting moves no
         data between devices when n is a multiple of the batch's shards. Each row draws the same
-        noise as in one pass (`gumbel_max`'s ``rows``) and the same step keys, so the tokens are
+        noise as in one pass (`draw`: keyed by the row and the token's position), so the tokens are
         the one-pass tokens wherever the model computes a row's logits independently of the
         batch size (up to a near-tie of perturbed logits where a kernel sums in another order).
     """
@@ -454,28 +260,13 @@ class Sampler:
         kernels = fuse_qkv and decode_kernels.fits(model.config)
         eos = jnp.asarray(self.eos_ids, jnp.int32)
 
-        def pick(logits_t, key):
-            """(token, log softmax(logits / T) at the token) of every row of logits_t [V, b]."""
-            scaled = logits_t / jnp.where(greedy, 1.0, temperature)
-            # log_softmax's arithmetic for the drawn entry only: (x − max) − log Σ exp(x − max).
-            top = jnp.max(scaled, axis=0)
-            log_total = jnp.log(jnp.sum(jnp.exp(scaled - top), axis=0))
-            if greedy:
-                token = first_argmax(logits_t, axis=0)
-            elif top_k or top_p < 1.0:
-                token = truncated_draw(key, scaled.T, top_k, top_p, rows=rows,
-                                       log_total=top + log_total)
-            else:
-                token = gumbel_max(key, scaled, vocab_axis=0, rows=rows)
-            return token, (jnp.take_along_axis(scaled, token[None], axis=0)[0] - top) - log_total
-
-        def choose(step, cache, logits_t, done, position, key, tokens, logprobs, mask,
+        def choose(step, cache, logits_t, done, position, tokens, logprobs, mask,
                    active=None):
             """Draws token ``step`` of every row from ``logits_t`` and records it; with ``active``
             (a chunk's step, `in_chunks`) only where it is True, the step counter left as it was
             otherwise."""
-            key, sub = jax.random.split(key)
-            token, logprob = pick(logits_t, sub)
+            token, logprob = draw(logits_t, rng, jnp.broadcast_to(step, (batch,)), rows,
+                                  temperature=temperature, greedy=greedy, top_k=top_k, top_p=top_p)
             if active is None:
                 valid = ~done
                 token = jnp.where(valid, token, self.pad_id)
@@ -483,7 +274,7 @@ class Sampler:
                 logprobs = logprobs.at[:, step].set(jnp.where(valid, logprob, 0.0))
                 mask = mask.at[:, step].set(valid)
                 done = done | jnp.isin(token, eos)
-                return step, cache, done, position, key, tokens, logprobs, mask, token, valid
+                return step, cache, done, position, tokens, logprobs, mask, token, valid
             valid = ~done & active
             token = jnp.where(valid, token, self.pad_id)
             column = jnp.where(active, step, steps)   # past the last column: dropped
@@ -492,7 +283,7 @@ class Sampler:
             mask = mask.at[:, column].set(valid, mode="drop")
             done = done | (valid & jnp.isin(token, eos))
             step = jnp.where(active, step, step - 1)
-            return step, cache, done, position, key, tokens, logprobs, mask, token, valid
+            return step, cache, done, position, tokens, logprobs, mask, token, valid
 
         last = steps if limit is None else jnp.minimum(steps, limit)
 
@@ -503,13 +294,13 @@ class Sampler:
 
         def decode(carry, chunked: bool = False):
             """The forward pass of the last drawn tokens, then the next draw from its logits."""
-            step, cache, done, position, key, tokens, logprobs, mask, token, valid = carry
+            step, cache, done, position, tokens, logprobs, mask, token, valid = carry
             active = more(carry) if chunked else None
             hidden, cache = model(token[:, None], positions=position[:, None],
                                   segment_mask=valid[:, None], cache=cache, probes=probes,
                                   layers=layers, return_hidden=True, kernels=kernels)
             return choose(step + 1, cache, model.vocab_major_logits(hidden[:, -1]), done,
-                          position + 1, key, tokens, logprobs, mask, active)
+                          position + 1, tokens, logprobs, mask, active)
 
         def counted(body, forward_passes):
             """(the carry after ``body`` ran while a draw is due, the forward passes it ran): the
@@ -530,7 +321,7 @@ class Sampler:
             """DECODE_CHUNK decode steps at a time, each recording its draw only while one is
             due (`more`): the loop's test, which a GPU reads on the host, comes once per chunk,
             and the chunk is a loop of a known trip count that XLA:GPU may replay as one CUDA
-            graph. The draws are `per_token`'s (the same keys in the same order); up to
+            graph. The draws are `per_token`'s (keyed by the same positions); up to
             DECODE_CHUNK − 1 forward passes after the last one are computed and discarded (their
             cache writes land past every slot a recorded draw read)."""
             def chunk(carry):
@@ -538,11 +329,11 @@ class Sampler:
             return counted(chunk, DECODE_CHUNK)(carry)
 
         first = choose(jnp.int32(0), cache, last_logits, jnp.zeros((batch,), bool), next_position,
-                       rng, jnp.full((batch, steps), self.pad_id, jnp.int32),
+                       jnp.full((batch, steps), self.pad_id, jnp.int32),
                        jnp.zeros((batch, steps), jnp.float32), jnp.zeros((batch, steps), bool))
         # A GPU checks the loop's condition on the host: per chunk there, per token elsewhere
         # (XLA:CPU runs the loop on the host anyway, a TPU evaluates the condition on the chip).
-        (_, _, done, _, _, tokens, logprobs, mask, _, _), forward_passes = jax.lax.platform_dependent(
+        (_, _, done, _, tokens, logprobs, mask, _, _), forward_passes = jax.lax.platform_dependent(
             first, default=per_token, **dict.fromkeys(CHUNKED_PLATFORMS, in_chunks))
         return SampleOutput(prompt_tokens=prompt_tokens, prompt_mask=prompt_mask, tokens=tokens,
                             logprobs=logprobs, mask=mask, finished=done,
