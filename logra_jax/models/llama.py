@@ -35,6 +35,7 @@ from flax import nnx
 from logra_jax.models import decode_kernels
 from logra_jax.models.config import ModelConfig
 from logra_jax.models.kv_cache import KVCache
+from logra_jax.models.kv_segments import SegmentKV, segmented_attention
 from logra_jax.models.linear import Linear, weights_major, weights_major_product
 from logra_jax.models.rope import apply_rotary, inverse_frequencies, rotary_cos_sin
 from logra_jax.projections import SketchProbe
@@ -293,6 +294,18 @@ class Attention(nnx.Module):
             return self.q_proj(x, with_bias=False), None if bias is None else bias[...]
         return jnp.concatenate(self._project(x, probes), axis=-1), None
 
+    def _rotated_qkv(self, x, cos, sin, probes):
+        """q [b, t, H, d], k and v [b, t, KV, d]: the projections, each head normed (Qwen3,
+        Gemma 3) and q and k rotated."""
+        b, t, _ = x.shape
+        q, k, v = self._project(x, probes)
+        q = q.reshape(b, t, self.num_heads, self.head_dim)
+        k = k.reshape(b, t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(b, t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:   # per head, over head_dim, before the rotation
+            q, k = self.q_norm(q), self.k_norm(k)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
     def __call__(self, x, cos, sin, mask, probes: dict[str, SketchProbe], kv, write_index,
                  chunk_keys: bool = False, layer=None, kernels: bool = False):
         """Returns (output, the cache ``kv`` after writing this chunk's keys and values, or None).
@@ -300,7 +313,8 @@ class Attention(nnx.Module):
         ``kv``: (k, v) of this layer, or with ``layer`` (an int32 scalar) the whole stack's, whose
         slots [layer, …, write_index + t) this chunk updates in place: a decode step then writes
         one slot of one layer instead of returning the layer's whole cache for the scan to stack
-        into a new cache (which held every cache twice and rewrote it every token).
+        into a new cache (which held every cache twice and rewrote it every token). Or a slot
+        engine's `SegmentKV`: one token per slot, ``mask`` and ``write_index`` unused.
         ``chunk_keys``: the queries attend to this chunk's own keys (``mask`` [b, t, t]) though
         the chunk is written to the cache: a prefill into an empty cache, where every other slot
         is masked out anyway, scores t × t instead of t × S.
@@ -314,13 +328,12 @@ class Attention(nnx.Module):
                 heads=self.num_heads, scale=self.scale)
             return (split_output_product(lambda x: self.o_proj(x, probes.get("o_proj")),
                                          out.reshape(b, t, -1)), tuple(new_kv))
-        q, k, v = self._project(x, probes)
-        q = q.reshape(b, t, self.num_heads, self.head_dim)
-        k = k.reshape(b, t, self.num_kv_heads, self.head_dim)
-        v = v.reshape(b, t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:   # per head, over head_dim, before the rotation
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k, v = self._rotated_qkv(x, cos, sin, probes)
+        if isinstance(kv, SegmentKV):   # a decode step of a slot engine (kv_segments.py)
+            scale = 1 / math.sqrt(self.head_dim) if self.scale is None else self.scale
+            out, kv = segmented_attention(q[:, 0], k[:, 0], v[:, 0], kv, scale)
+            return (split_output_product(lambda x: self.o_proj(x, probes.get("o_proj")),
+                                         out.reshape(b, t, -1)), kv)
         # Attention multiplies K as [b, kv_heads, d, t] and V as [b, kv_heads, t, d], the layouts
         # the cache keeps (KVCache): this chunk is transposed once, not the scores or the whole
         # cache around every product.
@@ -675,3 +688,30 @@ class Decoder(nnx.Module):
             return out
         return out, KVCache(k=new_kv[0], v=new_kv[1], index=(cache.index + t).astype(jnp.int32),
                             mask=new_mask)
+
+    def decode_segments(self, tokens: jax.Array, positions: jax.Array,
+                        segments: tuple[SegmentKV, ...], *, layers, probes=None):
+        """One decode step of a slot engine: (final-normed hidden [S, d], ``segments`` with the
+        step's keys and values written).
+
+        tokens, positions: int32 [S], each slot's last drawn token and its RoPE position.
+        segments: one `SegmentKV` per layer (kv_segments.py: each group's prompt once, each
+        slot's completion its own). layers: per-layer weights (`unstacked_layers`), run one
+        after the other as a per-layer decode step does. probes: as in `__call__`.
+        """
+        c = self.config
+        if any(c.sliding_layers):
+            raise ValueError("the slot engine does not decode sliding-window layers (Gemma 3) yet; "
+                             "set rl.rollout_engine='static' for this model")
+        layer_probes = self._per_layer_probes(probes)
+        x = shard_batch(self.embed_tokens(tokens[:, None]))
+        cos, sin = rotary_cos_sin(positions[:, None], inverse_frequencies(
+            c.head_dim, c.rope_theta, c.rope_scaling), c.compute_dtype)
+        graphdef, _ = nnx.split(self.layers)
+        written = []
+        for i, (params_i, segments_i) in enumerate(zip(layers, segments)):
+            block = nnx.merge(graphdef, params_i)
+            probes_i = jax.tree.map(lambda a: a[i], layer_probes)
+            x, segments_i = block(shard_batch(x), cos, sin, None, probes_i, segments_i, None)
+            written.append(segments_i)
+        return self.norm(x)[:, 0], tuple(written)

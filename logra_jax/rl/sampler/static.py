@@ -32,6 +32,7 @@ from logra_jax.rl.policy import Policy
 from logra_jax.rl.sampler.draw import draw
 from logra_jax.rl.sampler.output import SampleOutput
 from logra_jax.rl.sampler.prompts import decode_completions, left_align, pad_prompts
+from logra_jax.rl.sampler.slots import generate_in_slots
 from logra_jax.sharding import mesh_of
 
 # Decode steps a GPU takes between two reads of "is a row still going?" (`Sampler`'s in_chunks):
@@ -74,6 +75,12 @@ class Sampler:
         same program. A plan lowered for another machine takes the rule of that machine. The
         default here is "per_layer": a bare Sampler (tests, tools) compiles the one program its
         caller asked for.
+      engine: "static" (this class's own loop: every row prefilled, a pass decoded until its
+        longest row ends) or "slots" (`slots.generate_in_slots`: each group's prompt prefilled
+        and held once, rows flowing through ``slots`` decode slots refilled as rows end, the
+        attention bounded by the live length). ``group_size`` (rl.num_generations): adjacent
+        rows sharing a prompt; ``slots``: decode slots (0: the whole batch); ``prompt_slots``:
+        groups held at once (0: twice the groups the slots hold).
       rows_per_pass: 0 (default) generates the whole batch in one pass. n > 0 generates it n rows at
         a time, one pass after the other inside the same program, so the KV cache and the decode's
         activations hold n rows (``rl.rollout_micro_batch``; what lets a 70B rollout batch of 128
@@ -86,10 +93,12 @@ class Sampler:
     """
 
     DECODE_WEIGHTS = ("auto", "per_layer", "stacked")
+    ENGINES = ("static", "slots")
 
     def __init__(self, policy: Policy, *, max_prompt_length: int, max_completion_length: int,
                  eos_ids: Sequence[int], pad_id: int, decode_weights: str = "per_layer",
-                 rows_per_pass: int = 0):
+                 rows_per_pass: int = 0, engine: str = "static", group_size: int = 1,
+                 slots: int = 0, prompt_slots: int = 0):
         if max_prompt_length <= 0 or max_completion_length <= 0:
             raise ValueError("max_prompt_length and max_completion_length must be positive, got "
                              f"{max_prompt_length} and {max_completion_length}")
@@ -100,6 +109,10 @@ class Sampler:
                              f"{decode_weights!r}")
         if rows_per_pass < 0:
             raise ValueError(f"rows_per_pass must be 0 (one pass) or positive, got {rows_per_pass}")
+        if engine not in self.ENGINES:
+            raise ValueError(f"the rollout engine must be one of {self.ENGINES}, got {engine!r}")
+        self.engine = engine
+        self.group_size, self.slots, self.prompt_slots = int(group_size), int(slots), int(prompt_slots)
         self.decode_weights = decode_weights
         # True / False for a fixed mode; None for "auto", decided per input signature:
         self.per_layer_decode = None if decode_weights == "auto" else decode_weights == "per_layer"
@@ -212,6 +225,16 @@ class Sampler:
         """Every row, in one pass or ``rows_per_pass`` at a time."""
         batch = prompt_tokens.shape[0]
         check_counter_range((batch, self.policy.bind(params).config.vocab_size))
+        if self.engine == "slots":
+            model = self.policy.bind(params)
+            slots = self.slots or batch
+            return generate_in_slots(
+                model, self.policy.probes(params), prompt_tokens, prompt_mask, rng, temperature,
+                group_size=self.group_size, slots=slots,
+                prompt_slots=self.prompt_slots or 2 * slots // self.group_size,
+                max_completion_length=self.max_completion_length, eos_ids=self.eos_ids,
+                pad_id=self.pad_id, top_k=top_k, top_p=top_p, greedy=greedy, limit=limit,
+                layers=model.unstacked_layers())
         rows = jnp.arange(batch, dtype=jnp.int32)
         per_pass = self.rows_per_pass or batch
         passes = batch // per_pass
