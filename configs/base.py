@@ -116,6 +116,8 @@ def get_config() -> ml_collections.ConfigDict:
         format_reward_weight=0.0,
         decode_weights="auto",            # "per_layer" | "stacked"; auto: a rule of the platform
         rollout_micro_batch=0,            # sampler rows per pass (KV cache holds one pass); 0: all
+        rollout_engine="static",          # "static" | "slots": groups prefilled once, slots refilled
+        rollout_slots=0,                  # slots: decode slots (× num_generations); 0: every row
     ))
 
     # `name` picks the section that builds the optimizer; each section's keys are the keyword

@@ -67,6 +67,13 @@ ROWS = [
     ("rollout-micro-batch", dict(rl=dict(rollout_micro_batch=3)), "not a multiple of rl.rollout_micro_batch=3"),
     ("rollout-micro-batch-negative", dict(rl=dict(rollout_micro_batch=-1)),
      "rl.rollout_micro_batch must be an integer ≥ 0, got -1"),
+    ("rollout-engine", dict(rl=dict(rollout_engine="paged")),
+     "rl.rollout_engine must be one of 'static', 'slots', got 'paged'"),
+    ("rollout-slots-split-a-group", dict(rl=dict(rollout_engine="slots", rollout_slots=3, num_generations=2)),
+     "rl.rollout_slots=3 must be a multiple of rl.num_generations=2"),
+    ("rollout-slots-and-passes", dict(data=dict(prompts_per_step=2), rl=dict(
+        rollout_engine="slots", num_generations=2, rollout_micro_batch=2, micro_batch_size=2)),
+     "the slot engine's memory is rl.rollout_slots"),
     ("num-generations-zero", dict(rl=dict(num_generations=0)), "rl.num_generations must be a positive integer, got 0"),
     ("prompts-per-step-zero", dict(data=dict(prompts_per_step=0)), "data.prompts_per_step must be a positive integer"),
     ("advantage-baseline", dict(rl=dict(advantage_baseline="median")), "rl.advantage_baseline must be one of 'mean', 'leave_one_out'"),
@@ -314,6 +321,7 @@ def test_the_rules_choices_are_the_librarys():
     assert config_lib.LOSS_AGG_MODES == losses.LOSS_AGG_MODES
     assert config_lib.ADVANTAGE_BASELINES == losses.ADVANTAGE_BASELINES
     assert config_lib.DECODE_WEIGHTS == Sampler.DECODE_WEIGHTS
+    assert config_lib.ROLLOUT_ENGINES == Sampler.ENGINES
     assert config_lib.SYNC_MODES == ("off",) + sync.MODES
     assert set(config_lib.MODEL_DTYPES) == set(DTYPES)
     assert config_lib.DISTRIBUTIONS == DISTRIBUTIONS

@@ -17,9 +17,11 @@ from logra_jax.config.keys import flatten
 # Keys a resumed run may change: they do not change what the saved state means. The process layout
 # is one of them (each process of a run has its own process_id; the checkpoint holds global arrays),
 # and so is how the sampler reads its weights and how many rows it decodes at once
-# (rl.decode_weights, rl.rollout_micro_batch: the same model and draws, another loop).
+# (rl.decode_weights, rl.rollout_micro_batch, rl.rollout_engine, rl.rollout_slots: the same model
+# and draws, another loop).
 RESUMABLE_CHANGES = ("max_steps", "log.", "checkpoint.every", "checkpoint.keep", "distributed.",
-                     "rl.decode_weights", "rl.rollout_micro_batch")
+                     "rl.decode_weights", "rl.rollout_micro_batch", "rl.rollout_engine",
+                     "rl.rollout_slots")
 
 # The decode program a run's sampler resolved ``rl.decode_weights="auto"`` to ("stacked" or
 # "per_layer"): recorded in config.json and each checkpoint's fingerprint under this key, so that

@@ -20,7 +20,8 @@ from logra_jax.config.derived import rows_per_step
 from logra_jax.config.keys import flatten, get
 from logra_jax.config.rules import (AXIS_SIZE, BOOL, DATA_SOURCES, DECODE_WEIGHTS, FINITE,
                                     FRACTION, LOSS_AGG_MODES, MODEL_DTYPES, NAME, NONNEGATIVE_INT,
-                                    POSITIVE, POSITIVE_INT, SYNC_DTYPES, SYNC_MODES, TEXT, Rule,
+                                    POSITIVE, POSITIVE_INT, ROLLOUT_ENGINES, SYNC_DTYPES,
+                                    SYNC_MODES, TEXT, Rule,
                                     _integer, _number, one_of)
 
 # Every key of configs/base.py that holds a value and belongs to no registered entry (those are
@@ -48,6 +49,7 @@ VALUE_RULES: dict[str, Rule] = {
     "rl.loss_agg_mode": one_of(*LOSS_AGG_MODES), "rl.micro_batch_size": POSITIVE_INT,
     "rl.format_reward_weight": FINITE, "rl.decode_weights": one_of(*DECODE_WEIGHTS),
     "rl.rollout_micro_batch": NONNEGATIVE_INT,
+    "rl.rollout_engine": one_of(*ROLLOUT_ENGINES), "rl.rollout_slots": NONNEGATIVE_INT,
     "optimizer.warmup_steps": NONNEGATIVE_INT,
     "optimizer.probe_size": POSITIVE_INT, "optimizer.max_consecutive_skips": POSITIVE_INT,
     "optimizer.max_weight_norm_growth": Rule("a number > 1 (a multiple of the initial weight norm)",
@@ -197,3 +199,9 @@ def validate(config: ml_collections.ConfigDict) -> None:
     if rl.rollout_micro_batch and rows % rl.rollout_micro_batch:
         raise ValueError(f"data.prompts_per_step × rl.num_generations = {rows} rows is not a "
                          f"multiple of rl.rollout_micro_batch={rl.rollout_micro_batch}")
+    if rl.rollout_engine == "slots" and rl.rollout_micro_batch:
+        raise ValueError("rl.rollout_micro_batch splits the static engine's batch into passes; "
+                         "the slot engine's memory is rl.rollout_slots: set one of them")
+    if rl.rollout_engine == "slots" and rl.rollout_slots % rl.num_generations:
+        raise ValueError(f"rl.rollout_slots={rl.rollout_slots} must be a multiple of "
+                         f"rl.num_generations={rl.num_generations}: a group's rows enter together")

@@ -230,7 +230,8 @@ def build_sampler(rl: ml_collections.ConfigDict, policy: Policy, tokenizer=None)
     return Sampler(policy, max_prompt_length=rl.max_prompt_length,
                    max_completion_length=rl.max_completion_length, eos_ids=[eos_id],
                    pad_id=pad_id, decode_weights=rl.decode_weights,
-                   rows_per_pass=rl.rollout_micro_batch)
+                   rows_per_pass=rl.rollout_micro_batch, engine=rl.rollout_engine,
+                   group_size=rl.num_generations, slots=rl.rollout_slots)
 
 
 def build_rollout_spec(config: ml_collections.ConfigDict) -> RolloutSpec:
