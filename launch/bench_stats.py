@@ -1,6 +1,8 @@
-"""What a benchmark table states besides its timings: the CPU it ran on, and paired ratios."""
+"""What a benchmark table states besides its timings: the CPU it ran on, paired ratios, and
+timings taken in alternation."""
 
 import statistics
+import time
 
 
 def cpu_model() -> str:
@@ -29,3 +31,19 @@ def paired_ratio(times: dict, run: str, baseline: str) -> tuple[float, float, fl
     if not ratios:
         return (float("nan"),) * 3
     return statistics.median(ratios), min(ratios), max(ratios)
+
+
+def interleaved_medians(fns: dict, repeats: int) -> dict[str, float]:
+    """Median seconds of each of ``fns`` (label → call), after one compiling call each, timed in
+    alternating order round by round so that background load hits them alike."""
+    import jax
+    for fn in fns.values():
+        jax.block_until_ready(fn())
+    times = {label: [] for label in fns}
+    order = list(fns)
+    for i in range(repeats):
+        for label in (order if i % 2 == 0 else order[::-1]):
+            tic = time.perf_counter()
+            jax.block_until_ready(fns[label]())
+            times[label].append(time.perf_counter() - tic)
+    return {label: statistics.median(t) for label, t in times.items()}

@@ -42,7 +42,7 @@ import time
 from absl import flags
 
 from launch import cli
-from launch.bench_stats import cpu_model
+from launch.bench_stats import cpu_model, interleaved_medians
 
 _CONFIG = cli.define_config(default="configs/default.py", help_string="The model's config.",
                             lock_config=False)
@@ -68,22 +68,6 @@ def _median_seconds(fn, repeats: int) -> float:
         jax.block_until_ready(fn())
         times.append(time.perf_counter() - tic)
     return statistics.median(times)
-
-
-def interleaved_medians(fns: dict, repeats: int) -> dict[str, float]:
-    """Median seconds of each of ``fns`` (label → call), after one compiling call each, timed in
-    alternating order round by round so that background load hits them alike."""
-    import jax
-    for fn in fns.values():
-        jax.block_until_ready(fn())
-    times = {label: [] for label in fns}
-    order = list(fns)
-    for i in range(repeats):
-        for label in (order if i % 2 == 0 else order[::-1]):
-            tic = time.perf_counter()
-            jax.block_until_ready(fns[label]())
-            times[label].append(time.perf_counter() - tic)
-    return {label: statistics.median(t) for label, t in times.items()}
 
 
 def machine_rates(dtype: str = "float32", repeats: int = 5) -> tuple[float, float]:

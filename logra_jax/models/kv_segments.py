@@ -94,9 +94,16 @@ def _merge(first, second):
 
 def segmented_attention(q: jax.Array, k: jax.Array, v: jax.Array, segments: SegmentKV,
                         scale: float) -> tuple[jax.Array, SegmentKV]:
-    """(attention output [S, H, d] in v's dtype, the segments with k, v written) for one decode
-    step: q [S, H, d] (rotated), k and v [S, KV, d] the step's own key and value (rotated k).
-    The math is in the module docstring."""
+    """(attention output [n, H, d] in v's dtype, the segments with k, v written) for one decode
+    step of the first n slots: q [n, H, d] (rotated), k and v [n, KV, d] the step's own key and
+    value (rotated k); ``column``, ``group_of`` and ``member_of`` are those n slots'; the
+    completion segment may hold more slots (a batch shrunk to its live rows, `rl.sampler.slots`),
+    which this step neither reads nor writes, and a member id ≥ n counts as an empty place. The
+    math is in the module docstring.
+
+    The step's key and value are written first and the blocks read from the written segment:
+    written after the reads, XLA:CPU copied each layer's whole segment twice per step to keep
+    the unwritten version alive for them."""
     segments = segments.written(k, v)
     num_slots, num_heads, head_dim = q.shape
     num_groups, kv_heads = segments.prompt_k.shape[:2]
@@ -105,8 +112,8 @@ def segmented_attention(q: jax.Array, k: jax.Array, v: jax.Array, segments: Segm
     q = q.reshape(num_slots, kv_heads, per_kv, head_dim)
 
     # The prompt part, one product per prompt slot over all of its members' queries.
-    padded = jnp.concatenate([q, jnp.zeros_like(q[:1])])            # slot S: an empty place
-    grouped = padded[segments.members]                              # [Q, G, KV, h, d]
+    padded = jnp.concatenate([q, jnp.zeros_like(q[:1])])            # slot n: an empty place
+    grouped = padded[jnp.minimum(segments.members, num_slots)]      # [Q, G, KV, h, d]
     grouped = grouped.transpose(0, 2, 1, 3, 4).reshape(num_groups, kv_heads, group_size * per_kv,
                                                        head_dim)
     scores = jnp.einsum("qkmd,qkdp->qkmp", grouped, segments.prompt_k,
@@ -124,8 +131,10 @@ def segmented_attention(q: jax.Array, k: jax.Array, v: jax.Array, segments: Segm
     # The completion part, BLOCK columns at a time up to the live bound.
     def block(j, state):
         start = j * BLOCK
-        keys = jax.lax.dynamic_slice_in_dim(segments.completion_k, start, BLOCK, axis=3)
-        values = jax.lax.dynamic_slice_in_dim(segments.completion_v, start, BLOCK, axis=2)
+        keys = jax.lax.dynamic_slice(segments.completion_k, (0, 0, 0, start),
+                                     (num_slots, kv_heads, head_dim, BLOCK))
+        values = jax.lax.dynamic_slice(segments.completion_v, (0, 0, start, 0),
+                                       (num_slots, kv_heads, BLOCK, head_dim))
         scores = jnp.einsum("skhd,skdc->skhc", q, keys, preferred_element_type=jnp.float32) * scale
         columns = start + jnp.arange(BLOCK)
         visible = (columns[None, :] <= segments.column[:, None])[:, None, None, :]

@@ -54,18 +54,18 @@ def check_slots(batch: int, group_size: int, slots: int, prompt_slots: int) -> N
 def generate_in_slots(model, probes, prompt_tokens, prompt_mask, rng, temperature, *,
                       group_size: int, slots: int, prompt_slots: int, max_completion_length: int,
                       eos_ids, pad_id: int, top_k: int, top_p: float, greedy: bool,
-                      limit=None, layers=None) -> SampleOutput:
+                      limits, layers=None) -> SampleOutput:
     """The completions of every row of ``prompt_tokens`` [B, P] (groups of ``group_size``
     adjacent rows share a prompt), decoded through ``slots`` decode slots and ``prompt_slots``
     prompt slots. ``layers``: the per-layer weights (`Decoder.unstacked_layers`), made here when
-    None. The rest as `Sampler.generate`."""
+    None. ``limits`` (int32 [B]): the most tokens each row may draw. The rest as
+    `Sampler.generate`."""
     batch, prompt_len = prompt_tokens.shape
     check_slots(batch, group_size, slots, prompt_slots)
     c = model.config
     groups = batch // group_size
     columns = max_completion_length
     capacity = -(-columns // BLOCK) * BLOCK
-    last = columns if limit is None else jnp.minimum(columns, limit)
     eos = jnp.asarray(eos_ids, jnp.int32)
     prompt_tokens, prompt_mask = left_align(prompt_tokens, prompt_mask, pad_id)
     group_tokens, group_mask = prompt_tokens[::group_size], prompt_mask[::group_size]
@@ -80,8 +80,6 @@ def generate_in_slots(model, probes, prompt_tokens, prompt_mask, rng, temperatur
         prompt_k=tuple(jnp.zeros((prompt_slots, kv, d, prompt_len), dtype) for _ in range(L)),
         prompt_v=tuple(jnp.zeros((prompt_slots, kv, prompt_len, d), dtype) for _ in range(L)),
         prompt_mask=jnp.zeros((prompt_slots, prompt_len), bool),
-        completion_k=tuple(jnp.zeros((slots, kv, d, capacity), dtype) for _ in range(L)),
-        completion_v=tuple(jnp.zeros((slots, kv, capacity, d), dtype) for _ in range(L)),
         members=jnp.full((prompt_slots, group_size), slots, jnp.int32),
         row=jnp.full((slots,), batch, jnp.int32),        # batch: none (writes are dropped)
         live=jnp.zeros((slots,), bool),
@@ -97,6 +95,12 @@ def generate_in_slots(model, probes, prompt_tokens, prompt_mask, rng, temperatur
         finished=jnp.zeros((batch,), bool),
         token_steps=jnp.zeros((batch,), jnp.int32),
     )
+    # The completion segment, every layer's (K, V), apart from the state: admitting a group
+    # (a loop of its own) neither reads nor carries it.
+    cache = (tuple(jnp.zeros((slots, kv, d, capacity), dtype) for _ in range(L)),
+             tuple(jnp.zeros((slots, kv, capacity, d), dtype) for _ in range(L)))
+    # The executed batch sizes: every slot, then the powers of two below.
+    sizes = sorted({slots} | {2 ** i for i in range(slots.bit_length()) if 2 ** i < slots})
 
     def pick(logits_t, positions, rows):
         return draw(logits_t, rng, positions, rows, temperature=temperature, greedy=greedy,
@@ -122,7 +126,7 @@ def generate_in_slots(model, probes, prompt_tokens, prompt_mask, rng, temperatur
                                     (c.vocab_size, group_size))
         rows = g * group_size + member_ids
         token, logprob = pick(logits_t, jnp.zeros((group_size,), jnp.int32), rows)
-        ended = jnp.isin(token, eos) | (last <= 1)
+        ended = jnp.isin(token, eos) | (limits[rows] <= 1)
         s = dict(s)
         s["prompt_k"] = tuple(p.at[q].set(cache.k[l, 0]) for l, p in enumerate(s["prompt_k"]))
         s["prompt_v"] = tuple(p.at[q].set(cache.v[l, 0]) for l, p in enumerate(s["prompt_v"]))
@@ -143,32 +147,44 @@ def generate_in_slots(model, probes, prompt_tokens, prompt_mask, rng, temperatur
         s["next_group"] = g + 1
         return s
 
-    def step(_, s):
-        """One decode step of every slot: feed each its last token, draw the next where live."""
-        live = s["live"]
-        bound = jnp.max(jnp.where(live, s["column"], 0)) + 1
-        segments = tuple(SegmentKV(pk, pv, s["prompt_mask"], ck, cv, s["members"], s["group_of"],
-                                   s["member_of"], s["column"], bound)
-                         for pk, pv, ck, cv in zip(s["prompt_k"], s["prompt_v"],
-                                                   s["completion_k"], s["completion_v"]))
-        hidden, segments = model.decode_segments(s["token"], s["start"] + s["column"], segments,
-                                                 layers=layers, probes=probes)
-        column = s["column"] + 1
-        token, logprob = pick(model.vocab_major_logits(hidden), column, s["row"])
-        row = jnp.where(live, s["row"], batch)             # batch: dropped
-        is_eos = jnp.isin(token, eos)
-        s = dict(s)
-        s["completion_k"] = tuple(x.completion_k for x in segments)
-        s["completion_v"] = tuple(x.completion_v for x in segments)
-        s["tokens"] = s["tokens"].at[row, column].set(token, mode="drop")
-        s["logprobs"] = s["logprobs"].at[row, column].set(logprob, mode="drop")
-        s["mask"] = s["mask"].at[row, column].set(True, mode="drop")
-        s["finished"] = s["finished"].at[row].set(is_eos, mode="drop")
-        s["token_steps"] = s["token_steps"].at[s["row"]].add(1, mode="drop")
-        s["live"] = live & ~is_eos & (column + 1 < last)
-        s["column"] = jnp.where(live, column, s["column"])
-        s["token"] = token
-        return s
+    def step(n):
+        """One decode step of the first ``n`` slots: feed each its last token, draw the next
+        where live (slots past n hold no live row, `compact`)."""
+        def run(carry):
+            s, (completion_k, completion_v) = carry
+            first = lambda x: x[:n]
+            live, row, column = first(s["live"]), first(s["row"]), first(s["column"])
+            bound = jnp.max(jnp.where(live, column, 0)) + 1
+            segments = tuple(SegmentKV(pk, pv, s["prompt_mask"], ck, cv, s["members"],
+                                       first(s["group_of"]), first(s["member_of"]), column, bound)
+                             for pk, pv, ck, cv in zip(s["prompt_k"], s["prompt_v"],
+                                                       completion_k, completion_v))
+            hidden, segments = model.decode_segments(first(s["token"]), first(s["start"]) + column,
+                                                     segments, layers=layers, probes=probes)
+            column = column + 1
+            token, logprob = pick(model.vocab_major_logits(hidden), column, row)
+            kept = jnp.where(live, row, batch)             # batch: dropped
+            is_eos = jnp.isin(token, eos)
+            s = dict(s)
+            s["tokens"] = s["tokens"].at[kept, column].set(token, mode="drop")
+            s["logprobs"] = s["logprobs"].at[kept, column].set(logprob, mode="drop")
+            s["mask"] = s["mask"].at[kept, column].set(True, mode="drop")
+            s["finished"] = s["finished"].at[kept].set(is_eos, mode="drop")
+            s["token_steps"] = s["token_steps"].at[row].add(1, mode="drop")
+            ends = is_eos | (column + 1 >= limits[jnp.minimum(row, batch - 1)])
+            s["live"] = s["live"].at[:n].set(live & ~ends)
+            s["column"] = s["column"].at[:n].set(jnp.where(live, column, s["column"][:n]))
+            s["token"] = s["token"].at[:n].set(token)
+            return s, (tuple(x.completion_k for x in segments),
+                       tuple(x.completion_v for x in segments))
+        return run
+
+    def chunk(n):
+        """A GPU's REFILL_EVERY steps of the first ``n`` slots between two reads on the host;
+        XLA:CPU and a TPU test their loops where they run, so there one step at a time."""
+        many = lambda carry: jax.lax.fori_loop(0, REFILL_EVERY, lambda _, c: step(n)(c), carry)
+        return lambda carry: jax.lax.platform_dependent(
+            carry, default=step(n), **dict.fromkeys(CHUNKED_PLATFORMS, many))
 
     def release(s):
         """At a boundary: ended rows leave their groups' member lists (a group whose rows have
@@ -177,18 +193,36 @@ def generate_in_slots(model, probes, prompt_tokens, prompt_mask, rng, temperatur
         held = jnp.concatenate([s["live"], jnp.zeros((1,), bool)])[members]
         return dict(s, members=jnp.where(held, members, slots))
 
-    def steps(n):
-        return lambda s: jax.lax.fori_loop(0, n, step, s)
+    def compact(carry):
+        """The live rows moved to the first slots (stable), the member lists renumbered: one
+        gather of the slots' state and completion caches, once per executed size."""
+        s, cache = carry
+        s = release(s)
+        order = jnp.argsort(~s["live"], stable=True)
+        new_id = jnp.zeros((slots + 1,), jnp.int32).at[order].set(
+            jnp.arange(slots, dtype=jnp.int32)).at[slots].set(slots)
+        s = dict(s, members=new_id[s["members"]])
+        for name in ("row", "live", "group_of", "member_of", "column", "token", "start"):
+            s[name] = s[name][order]
+        return s, jax.tree.map(lambda x: x[order], cache)
 
-    def round_(s):
+    def admission(carry):
+        """While groups wait: free ended rows' places, admit what fits, decode every slot."""
+        s, cache = carry
         s = jax.lax.while_loop(can_admit, admit, release(s))
-        # A GPU refills every REFILL_EVERY steps (its loop test is a read on the host); XLA:CPU
-        # and a TPU test the loop where it runs, so they refill after every step.
-        decode = lambda s: jax.lax.platform_dependent(
-            s, default=steps(1), **dict.fromkeys(CHUNKED_PLATFORMS, steps(REFILL_EVERY)))
-        return jax.lax.cond(jnp.any(s["live"]), decode, lambda s: s, s)
+        return chunk(slots)((s, cache))
 
-    s = jax.lax.while_loop(lambda s: jnp.any(s["live"]) | (s["next_group"] < groups), round_, state)
+    carry = jax.lax.while_loop(lambda c: c[0]["next_group"] < groups, admission, (state, cache))
+    # No group waits: the executed batch shrinks to the smallest size that holds the live rows,
+    # one loop per size (a loop per size, not a branch per step: a conditional taken every step
+    # copied the caches in and out of it every step).
+    for i in reversed(range(len(sizes))):
+        smaller = sizes[i - 1] if i else 0
+        if sizes[i] < slots:
+            carry = compact(carry)
+        carry = jax.lax.while_loop(lambda c, smaller=smaller: jnp.sum(c[0]["live"]) > smaller,
+                                   chunk(sizes[i]), carry)
+    s = carry[0]
     return SampleOutput(prompt_tokens=prompt_tokens, prompt_mask=prompt_mask, tokens=s["tokens"],
                         logprobs=s["logprobs"], mask=s["mask"], finished=s["finished"],
                         token_steps=s["token_steps"])

@@ -130,8 +130,11 @@ class Sampler:
         self.program = self._generate   # the jitted generate, for planners that lower it
 
     def generate(self, params, prompt_tokens, prompt_mask, rng, *, temperature: float = 1.0,
-                 top_p: float = 1.0, top_k: int = 0, greedy: bool = False) -> SampleOutput:
-        """Samples one completion per row with the given weights (any values, fixed shapes)."""
+                 top_p: float = 1.0, top_k: int = 0, greedy: bool = False,
+                 lengths=None) -> SampleOutput:
+        """Samples one completion per row with the given weights (any values, fixed shapes).
+        ``lengths`` (ints [b], optional): the most tokens each row may draw (a benchmark's
+        completion-length schedule); a row that reaches its length ends unfinished."""
         if prompt_tokens.shape[1] != self.max_prompt_length:
             raise ValueError(f"prompt_tokens has length {prompt_tokens.shape[1]}, the sampler was built "
                              f"for max_prompt_length={self.max_prompt_length}; pad with pad_prompts()")
@@ -148,7 +151,9 @@ class Sampler:
                       mesh=self.mesh_of(params, prompt_tokens))
         self.last_decode_mode = self._decode_mode(jax.tree.leaves(args), static["mesh"])
         per_layer = self.last_decode_mode == "per_layer"
-        return self._generate(*args, jnp.int32(self.max_completion_length), per_layer=per_layer,
+        limit = jnp.int32(self.max_completion_length) if lengths is None else jnp.asarray(
+            lengths, jnp.int32)
+        return self._generate(*args, limit, per_layer=per_layer,
                               **static)
 
     def preset_decode_mode(self, mode: str) -> None:
@@ -199,7 +204,8 @@ class Sampler:
                        per_layer: bool | None = None) -> SampleOutput:
         """The whole batch, traced with the params' ``mesh`` in context (``shard_batch``).
 
-        ``limit``: draw at most this many tokens (an int32 scalar); None: max_completion_length.
+        ``limit``: draw at most this many tokens (an int32 scalar, or [b] one per row); None:
+        max_completion_length.
         ``per_layer``: the decode mode; None (a program lowered without `generate`, a plan): the
         fixed mode, or for "auto" `decode_mode.rule` of the machine it is lowered for."""
         if per_layer is None:
@@ -225,6 +231,9 @@ class Sampler:
         """Every row, in one pass or ``rows_per_pass`` at a time."""
         batch = prompt_tokens.shape[0]
         check_counter_range((batch, self.policy.bind(params).config.vocab_size))
+        columns = self.max_completion_length
+        limits = jnp.broadcast_to(columns if limit is None else jnp.minimum(columns, limit),
+                                  (batch,)).astype(jnp.int32)
         if self.engine == "slots":
             model = self.policy.bind(params)
             slots = self.slots or batch
@@ -233,30 +242,31 @@ class Sampler:
                 group_size=self.group_size, slots=slots,
                 prompt_slots=self.prompt_slots or 2 * slots // self.group_size,
                 max_completion_length=self.max_completion_length, eos_ids=self.eos_ids,
-                pad_id=self.pad_id, top_k=top_k, top_p=top_p, greedy=greedy, limit=limit,
+                pad_id=self.pad_id, top_k=top_k, top_p=top_p, greedy=greedy, limits=limits,
                 layers=model.unstacked_layers())
         rows = jnp.arange(batch, dtype=jnp.int32)
         per_pass = self.rows_per_pass or batch
         passes = batch // per_pass
-        kwargs = dict(top_k=top_k, top_p=top_p, greedy=greedy, limit=limit, per_layer=per_layer,
+        kwargs = dict(top_k=top_k, top_p=top_p, greedy=greedy, per_layer=per_layer,
                       fuse_qkv=fuse_qkv)
         if passes == 1:
-            return self._generate_rows(params, prompt_tokens, prompt_mask, rows, rng, temperature,
-                                       **kwargs)
+            return self._generate_rows(params, prompt_tokens, prompt_mask, rows, limits, rng,
+                                       temperature, **kwargs)
 
         def split(x):   # [batch, …] → [passes, per_pass, …]; pass j holds rows j, j + passes, …
             return jnp.swapaxes(x.reshape(per_pass, passes, *x.shape[1:]), 0, 1)
 
         def one_pass(_, part):
-            tokens, mask, part_rows = part
-            return None, self._generate_rows(params, tokens, mask, part_rows, rng, temperature,
-                                             **kwargs)
+            tokens, mask, part_rows, part_limits = part
+            return None, self._generate_rows(params, tokens, mask, part_rows, part_limits, rng,
+                                             temperature, **kwargs)
 
-        _, out = jax.lax.scan(one_pass, None, (split(prompt_tokens), split(prompt_mask), split(rows)))
+        _, out = jax.lax.scan(one_pass, None, (split(prompt_tokens), split(prompt_mask), split(rows),
+                                               split(limits)))
         return jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1).reshape(batch, *x.shape[2:]), out)
 
-    def _generate_rows(self, params, prompt_tokens, prompt_mask, rows, rng, temperature, *,
-                       top_k: int, top_p: float, greedy: bool, limit, per_layer: bool,
+    def _generate_rows(self, params, prompt_tokens, prompt_mask, rows, limits, rng, temperature,
+                       *, top_k: int, top_p: float, greedy: bool, per_layer: bool,
                        fuse_qkv: bool) -> SampleOutput:
         """One pass over ``rows`` of the batch: prefill, then decode until every row has ended;
         ``fuse_qkv``: per-layer decode weights on one GPU, with q, k and v's kernels as one and,
@@ -296,7 +306,7 @@ class Sampler:
                 tokens = tokens.at[:, step].set(token)
                 logprobs = logprobs.at[:, step].set(jnp.where(valid, logprob, 0.0))
                 mask = mask.at[:, step].set(valid)
-                done = done | jnp.isin(token, eos)
+                done = done | jnp.isin(token, eos) | (step + 1 >= limits)
                 return step, cache, done, position, tokens, logprobs, mask, token, valid
             valid = ~done & active
             token = jnp.where(valid, token, self.pad_id)
@@ -304,11 +314,11 @@ class Sampler:
             tokens = tokens.at[:, column].set(token, mode="drop")
             logprobs = logprobs.at[:, column].set(jnp.where(valid, logprob, 0.0), mode="drop")
             mask = mask.at[:, column].set(valid, mode="drop")
-            done = done | (valid & jnp.isin(token, eos))
+            done = done | (valid & (jnp.isin(token, eos) | (step + 1 >= limits)))
             step = jnp.where(active, step, step - 1)
             return step, cache, done, position, tokens, logprobs, mask, token, valid
 
-        last = steps if limit is None else jnp.minimum(steps, limit)
+        last = jnp.max(limits)
 
         def more(carry):
             """Whether another draw is due: a row is still going and a column is left."""
@@ -356,8 +366,9 @@ class Sampler:
                        jnp.zeros((batch, steps), jnp.float32), jnp.zeros((batch, steps), bool))
         # A GPU checks the loop's condition on the host: per chunk there, per token elsewhere
         # (XLA:CPU runs the loop on the host anyway, a TPU evaluates the condition on the chip).
-        (_, _, done, _, tokens, logprobs, mask, _, _), forward_passes = jax.lax.platform_dependent(
+        (_, _, _, _, tokens, logprobs, mask, _, _), forward_passes = jax.lax.platform_dependent(
             first, default=per_token, **dict.fromkeys(CHUNKED_PLATFORMS, in_chunks))
         return SampleOutput(prompt_tokens=prompt_tokens, prompt_mask=prompt_mask, tokens=tokens,
-                            logprobs=logprobs, mask=mask, finished=done,
+                            logprobs=logprobs, mask=mask,
+                            finished=jnp.any(mask & jnp.isin(tokens, eos), axis=1),
                             token_steps=jnp.full((batch,), forward_passes + 1, jnp.int32))
