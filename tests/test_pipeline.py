@@ -1,0 +1,169 @@
+"""The pipelined loop (rl.max_lag = η, logra_jax/rl/pipeline.py) on the tiny config, colocated:
+η = 0 is the sequential loop, step for step; with η = 1 each step trains on rollouts sampled by
+the weights of one update earlier (the initial ones at step 1), an exact resume holds the queued
+rollouts, and a resume with another η is refused by name."""
+
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+from logra_jax import metrics
+from logra_jax.rl import assembly
+from logra_jax.rl import trainer as trainer_lib
+from logra_jax.rl.rollout import collect_rollouts
+from logra_jax.rl.update import TrainBatch
+from tiny_config import flat_params, make_config
+
+NAME = "logra-kl"   # REINFORCE: its updates are never zero, so a wrong rollout shows in the weights
+STEPS = 3
+
+
+def _config(lag, **extra):
+    return make_config(NAME, max_steps=STEPS, rl=dict(max_lag=lag),
+                       checkpoint=dict(every=1, keep=STEPS), **extra)
+
+
+@pytest.fixture(scope="module")
+def parts():
+    """Compiled parts per lag: the loss reads rl.max_lag (η ≥ 1 adds importance_weight/max)."""
+    return {lag: assembly.build_run(_config(lag)) for lag in (0, 1)}
+
+
+def _train(config, workdir, parts):
+    run = trainer_lib.Run(config, workdir, parts=parts)
+    try:
+        run.loop()
+    finally:
+        run.close()
+    return run
+
+
+@pytest.fixture(scope="module")
+def lagged(parts, tmp_path_factory):
+    """An uninterrupted η = 1 run, checkpointed after every step."""
+    return _train(_config(1), tmp_path_factory.mktemp("lagged"), parts[1])
+
+
+def test_lag_0_is_the_sequential_loop_bit_for_bit(parts, tmp_path):
+    """η = 0 against the loop written out here as it was before the pipeline: sample with the
+    current weights, grade, update, sync; every update metric and the final weights equal."""
+    t, config = parts[0], _config(0)
+    run = _train(config, tmp_path / "run", t)
+    rows = metrics.read_jsonl(tmp_path / "run" / "metrics.jsonl")
+
+    ref = trainer_lib.Run(config, tmp_path / "reference", parts=t)
+    try:
+        params, opt_state = t.init_state()
+        source, baseline = t.rollout_source(params), 0.0
+        base_rng = jax.random.PRNGKey(config.seed)
+        for step in range(1, STEPS + 1):
+            ro = collect_rollouts(t.sampler, source.weights, t.tokenizer, ref.data.next(),
+                                  t.rollout_spec, jax.random.fold_in(base_rng, step),
+                                  source.batch_sharding)
+            ro.seqs, ro.rollout_logp, ro.completed, ro.token_steps = jax.device_put(
+                (ro.seqs, ro.rollout_logp, ro.completed, ro.token_steps), t.batch_sharding)
+            r = np.asarray(t.grader(ro.texts, ro.golds))
+            adv, baseline = t.advantages(r, baseline)
+            batch = TrainBatch(seqs=ro.seqs, advantages=jax.device_put(adv, t.batch_sharding),
+                               rollout_logp=ro.rollout_logp, ref_logp=t.reference_logprobs(ro),
+                               completed=ro.completed)
+            params, opt_state, got, *compact = t.update(params, opt_state, batch)
+            got = jax.device_get(got)
+            got.update(source.after_update(params, compact[0] if compact else None,
+                                           jax.tree.map(lambda x: x[:config.optimizer.probe_size],
+                                                        ro.seqs)))
+            row = rows[step - 1]
+            want = trainer_lib.step_row(t, step, got, r, ro, opt_state, {})
+            assert "rollout/lag" not in row and "importance_weight/max" not in row
+            assert {k for k in row if not k.startswith("time/")} == set(want) - {"time/step"} | {"step"}
+            for key, value in want.items():
+                if key != "time/step":
+                    assert row[key] == value or (np.isnan(row[key]) and np.isnan(value)), (step, key)
+    finally:
+        ref.close()
+    a, b = flat_params(run.params), flat_params(params)
+    for path in a:
+        np.testing.assert_array_equal(a[path], b[path], err_msg=path)
+
+
+def test_lag_1_trains_on_rollouts_one_update_old(lagged):
+    rows = metrics.read_jsonl(lagged.workdir / "metrics.jsonl")
+    assert [r["rollout/lag"] for r in rows] == [0] + [1] * (STEPS - 1)
+    for r in rows:
+        assert np.isfinite(r["importance_weight/max"]) and np.isfinite(r["rollout_mismatch"])
+    # From step 2 on the sampler's weights are one update behind the trained ones: ratios ≠ 1.
+    assert all(r["importance_weight/max"] > 1 for r in rows[1:])
+
+
+def _restored(parts, workdir):
+    """A run on ``workdir`` restored (weights, queue) without training."""
+    run = trainer_lib.Run(_config(1), workdir, parts=parts)
+    params, opt_state, step, _ = run._start()
+    return run, params, step
+
+
+def _until(lagged, step, workdir):
+    shutil.copytree(lagged.workdir, workdir)
+    for later in (workdir / "checkpoints").iterdir():
+        if later.name.isdigit() and int(later.name) > step:
+            shutil.rmtree(later)
+    lines = (workdir / "metrics.jsonl").read_text().splitlines()
+    (workdir / "metrics.jsonl").write_text("".join(line + "\n" for line in lines[:step]))
+
+
+def test_the_queued_rollout_was_sampled_by_the_weights_of_its_schedule(parts, lagged, tmp_path):
+    """After step 1 the queue holds R_2, which the schedule samples with version 0 (the initial
+    weights), not version 1 (the weights after step 1): resampling step 2's prompts with the same
+    rng and version 0 gives its tokens and log-probs bit for bit; version 1 gives other log-probs."""
+    t = parts[1]
+    _until(lagged, 1, tmp_path / "w")
+    run, version_1, step = _restored(t, tmp_path / "w")
+    try:
+        assert step == 1 and len(run.queue) == 1
+        queued = run.queue.pop()
+        assert queued.version == 0
+        fresh = trainer_lib.Run(_config(1), tmp_path / "fresh", parts=t)
+        try:
+            fresh.data.next()                     # R_1's prompts
+            prompts = fresh.data.next()           # R_2's
+        finally:
+            fresh.close()
+        rng = jax.random.fold_in(jax.random.PRNGKey(run.config.seed), 2)
+        version_0 = t.init_state()[0]
+        for params, same in ((version_0, True), (version_1, False)):
+            ro = collect_rollouts(t.sampler, params, t.tokenizer, prompts, t.rollout_spec, rng,
+                                  t.rollout_batch_sharding)
+            logp_equal = np.array_equal(np.asarray(ro.rollout_logp),
+                                        np.asarray(queued.rollouts.rollout_logp))
+            assert logp_equal == same
+            if same:
+                np.testing.assert_array_equal(np.asarray(ro.seqs.tokens),
+                                              np.asarray(queued.rollouts.seqs.tokens))
+    finally:
+        run.close()
+
+
+@pytest.mark.parametrize("stop_after", [1, 2])
+def test_a_resume_mid_pipeline_is_bit_identical(parts, lagged, stop_after, tmp_path):
+    """Stopped after ``stop_after`` with a rollout queued, then resumed: the same weights,
+    optimizer state and metrics as the uninterrupted run."""
+    _until(lagged, stop_after, tmp_path / "w")
+    resumed = _train(_config(1), tmp_path / "w", parts[1])
+    a, b = flat_params(lagged.params), flat_params(resumed.params)
+    for path in a:
+        np.testing.assert_array_equal(a[path], b[path], err_msg=path)
+    assert jax.tree.all(jax.tree.map(np.array_equal, jax.device_get(lagged.opt_state),
+                                     jax.device_get(resumed.opt_state)))
+    want = metrics.read_jsonl(lagged.workdir / "metrics.jsonl")
+    got = metrics.read_jsonl(tmp_path / "w" / "metrics.jsonl")
+    for w, g in zip(want, got, strict=True):
+        assert {k: v for k, v in w.items() if not k.startswith("time/")} == \
+               {k: v for k, v in g.items() if not k.startswith("time/")}
+
+
+def test_a_resume_with_another_lag_is_refused_by_name(parts, lagged, tmp_path):
+    _until(lagged, 1, tmp_path / "w")
+    with pytest.raises(ValueError, match=r"rl\.max_lag changed"):
+        trainer_lib.Run(_config(2), tmp_path / "w", parts=parts[1])
