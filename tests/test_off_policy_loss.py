@@ -89,3 +89,22 @@ def test_on_policy_grpo_is_the_computation_it_always_was():
                            jnp.asarray(MASK), "token-mean")
     assert float(loss) == float(old)
     assert set(metrics) == {"clip_ratio/low_mean", "clip_ratio/high_mean", "kl"}
+
+
+def test_grpo_reads_the_behaviour_policy_only_when_the_rollouts_lag():
+    """`rl.algorithm=grpo`'s loss as a run builds it: at rl.max_lag = 0 π_old = sg(π_θ) (ρ = 1,
+    nothing clipped); at 1 π_old is the batch's rollout_logp and the clip binds."""
+    from types import SimpleNamespace
+
+    from configs import base
+    from logra_jax.rl import algorithms
+    seqs = SimpleNamespace(completion_mask=jnp.asarray(MASK))
+    batch = SimpleNamespace(seqs=seqs, advantages=jnp.asarray(ADV),
+                            rollout_logp=jnp.asarray(BEHAVIOUR), ref_logp=jnp.zeros_like(MASK))
+    for lag in (0, 1):
+        rl = base.get_config().rl
+        rl.max_lag = lag
+        _, metrics = algorithms.get("grpo").loss(rl)(jnp.asarray(LOGP), batch)
+        clipped = float(metrics["clip_ratio/high_mean"]) + float(metrics["clip_ratio/low_mean"])
+        assert (clipped > 0) == (lag == 1), (lag, metrics)
+        assert ("importance_weight/max" in metrics) == (lag == 1)

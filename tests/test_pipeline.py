@@ -1,14 +1,17 @@
 """The pipelined loop (rl.max_lag = η, logra_jax/rl/pipeline.py) on the tiny config, colocated:
 η = 0 is the sequential loop, step for step; with η = 1 each step trains on rollouts sampled by
-the weights of one update earlier (the initial ones at step 1), an exact resume holds the queued
-rollouts, and a resume with another η is refused by name."""
+the weights of one update earlier (the initial ones at step 1), an exact resume (after a real
+SIGTERM too) holds the queued rollouts, and a resume with another η is refused by name."""
 
+import os
 import shutil
+import signal
 
 import jax
 import numpy as np
 import pytest
 
+from launch import train as train_cli
 from logra_jax import metrics
 from logra_jax.rl import assembly
 from logra_jax.rl import trainer as trainer_lib
@@ -21,8 +24,8 @@ STEPS = 3
 
 
 def _config(lag, **extra):
-    return make_config(NAME, max_steps=STEPS, rl=dict(max_lag=lag),
-                       checkpoint=dict(every=1, keep=STEPS), **extra)
+    return make_config(NAME, **{"max_steps": STEPS, "rl": dict(max_lag=lag),
+                                "checkpoint": dict(every=1, keep=STEPS), **extra})
 
 
 @pytest.fixture(scope="module")
@@ -145,25 +148,53 @@ def test_the_queued_rollout_was_sampled_by_the_weights_of_its_schedule(parts, la
         run.close()
 
 
+def _assert_same_end(want, got, workdir):
+    a, b = flat_params(want.params), flat_params(got.params)
+    for path in a:
+        np.testing.assert_array_equal(a[path], b[path], err_msg=path)
+    assert jax.tree.all(jax.tree.map(np.array_equal, jax.device_get(want.opt_state),
+                                     jax.device_get(got.opt_state)))
+    rows = zip(metrics.read_jsonl(want.workdir / "metrics.jsonl"),
+               metrics.read_jsonl(workdir / "metrics.jsonl"), strict=True)
+    for w, g in rows:
+        assert {k: v for k, v in w.items() if not k.startswith("time/")} == \
+               {k: v for k, v in g.items() if not k.startswith("time/")}
+
+
 @pytest.mark.parametrize("stop_after", [1, 2])
 def test_a_resume_mid_pipeline_is_bit_identical(parts, lagged, stop_after, tmp_path):
     """Stopped after ``stop_after`` with a rollout queued, then resumed: the same weights,
     optimizer state and metrics as the uninterrupted run."""
     _until(lagged, stop_after, tmp_path / "w")
-    resumed = _train(_config(1), tmp_path / "w", parts[1])
-    a, b = flat_params(lagged.params), flat_params(resumed.params)
-    for path in a:
-        np.testing.assert_array_equal(a[path], b[path], err_msg=path)
-    assert jax.tree.all(jax.tree.map(np.array_equal, jax.device_get(lagged.opt_state),
-                                     jax.device_get(resumed.opt_state)))
-    want = metrics.read_jsonl(lagged.workdir / "metrics.jsonl")
-    got = metrics.read_jsonl(tmp_path / "w" / "metrics.jsonl")
-    for w, g in zip(want, got, strict=True):
-        assert {k: v for k, v in w.items() if not k.startswith("time/")} == \
-               {k: v for k, v in g.items() if not k.startswith("time/")}
+    _assert_same_end(lagged, _train(_config(1), tmp_path / "w", parts[1]), tmp_path / "w")
 
 
-def test_a_resume_with_another_lag_is_refused_by_name(parts, lagged, tmp_path):
+def test_a_sigterm_with_a_rollout_in_flight_then_a_resume_is_bit_identical(parts, lagged, tmp_path,
+                                                                           monkeypatch):
+    """A real SIGTERM to this process while step 2 grades the rollout it sampled for step 3 (the
+    third grading: R_1 before step 1, R_2 in step 1, R_3 in step 2): the step finishes, its
+    checkpoint holds R_3, and the resume ends on the uninterrupted run's bits."""
+    t, graded = parts[1], []
+    grader = t.grader
+
+    def signalling(texts, golds):
+        graded.append(len(texts))
+        if len(graded) == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return grader(texts, golds)
+    monkeypatch.setattr(t, "grader", signalling)
+    config = _config(1, checkpoint=dict(every=1000, keep=1))
+    with pytest.raises(trainer_lib.Preempted, match="after step 2"):
+        _train(config, tmp_path, t)
+    monkeypatch.setattr(t, "grader", grader)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["2"]
+    _assert_same_end(lagged, _train(config, tmp_path, t), tmp_path)
+
+
+def test_a_resume_with_another_lag_is_one_error_line_naming_it(lagged, tmp_path):
     _until(lagged, 1, tmp_path / "w")
-    with pytest.raises(ValueError, match=r"rl\.max_lag changed"):
-        trainer_lib.Run(_config(2), tmp_path / "w", parts=parts[1])
+    with pytest.raises(SystemExit) as exit_:
+        train_cli.run(_config(2), str(tmp_path / "w"))
+    line = exit_.value.code
+    assert isinstance(line, str) and line.startswith("error: ") and "\n" not in line, line
+    assert "rl.max_lag changed" in line, line
