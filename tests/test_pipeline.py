@@ -100,14 +100,8 @@ def test_lag_1_trains_on_rollouts_one_update_old(lagged):
     assert all(r["importance_weight/max"] > 1 for r in rows[1:])
 
 
-def _restored(parts, workdir):
-    """A run on ``workdir`` restored (weights, queue) without training."""
-    run = trainer_lib.Run(_config(1), workdir, parts=parts)
-    params, opt_state, step, _ = run._start()
-    return run, params, step
-
-
 def _until(lagged, step, workdir):
+    """``workdir`` as ``lagged``'s (a finished Run) was after ``step``."""
     shutil.copytree(lagged.workdir, workdir)
     for later in (workdir / "checkpoints").iterdir():
         if later.name.isdigit() and int(later.name) > step:
@@ -116,28 +110,29 @@ def _until(lagged, step, workdir):
     (workdir / "metrics.jsonl").write_text("".join(line + "\n" for line in lines[:step]))
 
 
-def test_the_queued_rollout_was_sampled_by_the_weights_of_its_schedule(parts, lagged, tmp_path):
+def _assert_sampled_by_its_schedule(t, config, lagged, tmp_path):
     """After step 1 the queue holds R_2, which the schedule samples with version 0 (the initial
     weights), not version 1 (the weights after step 1): resampling step 2's prompts with the same
-    rng and version 0 gives its tokens and log-probs bit for bit; version 1 gives other log-probs."""
-    t = parts[1]
+    rng and version 0, as the sampler holds it, gives its tokens and log-probs bit for bit;
+    version 1 gives other log-probs."""
     _until(lagged, 1, tmp_path / "w")
-    run, version_1, step = _restored(t, tmp_path / "w")
+    run = trainer_lib.Run(config, tmp_path / "w", parts=t)
     try:
+        version_1, _, step, _ = run._start()          # restores the weights and the queue
         assert step == 1 and len(run.queue) == 1
         queued = run.queue.pop()
         assert queued.version == 0
-        fresh = trainer_lib.Run(_config(1), tmp_path / "fresh", parts=t)
+        fresh = trainer_lib.Run(config, tmp_path / "fresh", parts=t)
         try:
             fresh.data.next()                     # R_1's prompts
             prompts = fresh.data.next()           # R_2's
         finally:
             fresh.close()
-        rng = jax.random.fold_in(jax.random.PRNGKey(run.config.seed), 2)
-        version_0 = t.init_state()[0]
-        for params, same in ((version_0, True), (version_1, False)):
-            ro = collect_rollouts(t.sampler, params, t.tokenizer, prompts, t.rollout_spec, rng,
-                                  t.rollout_batch_sharding)
+        rng = jax.random.fold_in(jax.random.PRNGKey(config.seed), 2)
+        for params, same in ((t.init_state()[0], True), (version_1, False)):
+            source = t.rollout_source(params)     # the weights as the sampler holds them
+            ro = collect_rollouts(t.sampler, source.weights, t.tokenizer, prompts,
+                                  t.rollout_spec, rng, source.batch_sharding)
             logp_equal = np.array_equal(np.asarray(ro.rollout_logp),
                                         np.asarray(queued.rollouts.rollout_logp))
             assert logp_equal == same
@@ -146,6 +141,28 @@ def test_the_queued_rollout_was_sampled_by_the_weights_of_its_schedule(parts, la
                                               np.asarray(queued.rollouts.seqs.tokens))
     finally:
         run.close()
+
+
+def test_the_queued_rollout_was_sampled_by_the_weights_of_its_schedule(parts, lagged, tmp_path):
+    _assert_sampled_by_its_schedule(parts[1], _config(1), lagged, tmp_path)
+
+
+def test_on_rollout_devices_of_its_own_the_schedule_holds_and_the_engine_stays_exact(tmp_path):
+    """4 devices train, 4 sample, synced by factors: the sampling of the next rollout is queued
+    on the rollout devices before the update and the factors' merge into the same engine
+    buffers, yet R_2 is version 0's, bit for bit, and the engine ends on the trainer's weights."""
+    config = _config(1, max_steps=2, sync=dict(mode="factors", rollout_devices=4,
+                                               master_copy=True))
+    run = _train(config, tmp_path / "split", None)
+    t = run.parts
+    assert {d.id for d in t.mesh.devices.flat}.isdisjoint(d.id for d in t.rollout_mesh.devices.flat)
+    rows = metrics.read_jsonl(tmp_path / "split" / "metrics.jsonl")
+    assert [r["rollout/lag"] for r in rows] == [0, 1]
+    engine, trainer = flat_params(run.engine.params), flat_params(run.params)
+    for path in engine:
+        np.testing.assert_array_equal(engine[path], trainer[path].astype(engine[path].dtype),
+                                      err_msg=path)
+    _assert_sampled_by_its_schedule(t, config, run, tmp_path)
 
 
 def _assert_same_end(want, got, workdir):
