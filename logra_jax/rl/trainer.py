@@ -40,8 +40,8 @@ from logra_jax.rl import assembly, build, stopping
 from logra_jax.rl import pipeline as pipeline_lib
 from logra_jax.rl import workdir as workdir_lib
 from logra_jax.rl.assembly import RunParts
-from logra_jax.rl.rollout import (RewardError, Rollouts, collect_rollouts, dispatch_rollouts,
-                                  finish_rollouts, fit_prompt_window, work_metrics)
+from logra_jax.rl.rollout import (RewardError, Rollouts, dispatch_rollouts, finish_rollouts,
+                                  fit_prompt_window, work_metrics)
 from logra_jax.rl.update import TrainBatch
 from logra_jax.tree_paths import nonfinite_leaves
 
