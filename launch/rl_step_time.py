@@ -23,8 +23,8 @@ completions of 512 + 1536 tokens), one row per device per micro-step.
 pipelined run (η ≥ 1, logra_jax/rl/pipeline.py) splits its step differently: ``rollout`` is the
 queuing of the next rollout's sampling, ``overlap_host`` the decode and grading of it while the
 devices sample and update, ``update_wait`` the wait for the update's results after that host
-work. ``vs lag 0`` is the steady step's seconds saved against the η = 0 run of the same
-invocation. On XLA:CPU the simulated devices share the host's cores (LOGRA_HOST_DEVICES=8 makes
+work. ``overlap`` is the overlap achieved: the steady step's seconds saved against the η = 0 run
+of the same invocation (what the pipeline hid of the sequential step; negative: it cost time). On XLA:CPU the simulated devices share the host's cores (LOGRA_HOST_DEVICES=8 makes
 8 of them; ``--config.sync.rollout_devices=4`` gives the sampler 4 of its own), so what overlaps
 there is the host work, not the devices': it is no prediction of a GPU's gain.
 
@@ -114,7 +114,7 @@ def print_summary(summaries: list[dict], backend: str, device_kind: str) -> None
           f"sampler's own")
     names = [p if len(p) <= 9 else p.replace("_", " ")[:9] for p in PHASES]
     print(f"{'':26} " + " ".join(f"{p:>9}" for p in names) + f" {'step s':>8} "
-          f"{'gen tok/s/dev':>14} {'vs lag 0':>9}")
+          f"{'gen tok/s/dev':>14} {'overlap':>9}")
     base = next((x["steady"] for x in summaries if x["lag"] == 0 and x["steady"]), None)
     for s in summaries:
         for label, part in ((f"lag {s['lag']}: first (compiles)", s["first"]),
