@@ -132,18 +132,17 @@ def main(argv):
     del argv
     if _STEPS.value < 2:
         sys.exit(f"error: --steps must be ≥ 2 (the first compiles), got {_STEPS.value}")
+    lags = [v.strip() for v in _LAG.value]
+    if not all(v.isdigit() for v in lags):   # before jax is imported: a refusal in a moment
+        sys.exit(f"error: --lag takes integers ≥ 0 separated by commas (rl.max_lag values), "
+                 f"got {','.join(_LAG.value)}")
+    lags = [int(v) for v in lags]
     from launch import process
     process.setup(1)   # one CPU device unless LOGRA_HOST_DEVICES says more
     import jax
     from logra_jax import metrics as metrics_lib
     from logra_jax.rl import trainer
 
-    try:
-        lags = [int(v) for v in _LAG.value]
-    except ValueError:
-        sys.exit(f"error: --lag takes integers ≥ 0 separated by commas, got {','.join(_LAG.value)}")
-    if any(v < 0 for v in lags):
-        sys.exit(f"error: --lag takes integers ≥ 0, got {','.join(_LAG.value)}")
     config = prepare(_CONFIG.value, _STEPS.value, _PROMPTS.value, _REFERENCE.value)
     summaries = []
     for lag in lags or [config.rl.max_lag]:
