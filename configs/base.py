@@ -104,10 +104,10 @@ def get_config() -> ml_collections.ConfigDict:
         temperature=1.0, top_p=1.0, top_k=0,
         max_prompt_length=96, max_completion_length=48,
         beta=0.0, kl_estimator="k3",
-        epsilon=0.2, epsilon_high=0.0,    # 0 → symmetric clipping. Inert today: one update per
-                                          # batch, so π_old is the policy itself (detached), the
-                                          # ratio is 1 and no token is ever clipped; these change
-                                          # nothing and clip_ratio/* are always 0
+        epsilon=0.2, epsilon_high=0.0,    # 0 → symmetric clipping. Inert at max_lag=0: one update
+                                          # per batch, so π_old is the policy itself (detached),
+                                          # the ratio is 1 and no token is ever clipped; with a lag
+                                          # π_old is the behaviour policy and the clip binds
         loss_agg_mode="token-mean",
         scale_rewards=True,
         advantage_baseline="mean",        # grpo: "mean" (TRL) | "leave_one_out" (the reference)
@@ -118,6 +118,12 @@ def get_config() -> ml_collections.ConfigDict:
         rollout_micro_batch=0,            # sampler rows per pass (KV cache holds one pass); 0: all
         rollout_engine="static",          # "static" | "slots": groups prefilled once, slots refilled
         rollout_slots=0,                  # slots: decode slots (× num_generations); 0: every row
+        max_lag=0,                        # η: step k trains on rollouts sampled by the weights of
+                                          # η updates earlier (k−1−η), sampled while the trainer
+                                          # updates; 0: the sequential, on-policy loop
+        importance_correction="tis",      # lag ≥ 1 (reinforce: always): "tis" truncates the
+                                          # ratio π_θ/π_behaviour at the cap, "mis" masks the token
+        importance_cap=2.0,               # grpo's cap C at lag ≥ 1 (reinforce's is is_cap)
     ))
 
     # `name` picks the section that builds the optimizer; each section's keys are the keyword

@@ -24,6 +24,8 @@ from logra_jax.config.rules import (AXIS_SIZE, BOOL, DATA_SOURCES, DECODE_WEIGHT
                                     SYNC_MODES, TEXT, Rule,
                                     _integer, _number, one_of)
 
+IMPORTANCE_CORRECTIONS = ("tis", "mis")                     # rl.losses.IMPORTANCE_CORRECTIONS
+
 # Every key of configs/base.py that holds a value and belongs to no registered entry (those are
 # the entries' own, choices.py): with them, the schema a config file's keys are checked against
 # (`unknown_keys`; tests/test_bad_input.py checks that it is configs/base.py's keys, no more, no
@@ -50,6 +52,11 @@ VALUE_RULES: dict[str, Rule] = {
     "rl.format_reward_weight": FINITE, "rl.decode_weights": one_of(*DECODE_WEIGHTS),
     "rl.rollout_micro_batch": NONNEGATIVE_INT,
     "rl.rollout_engine": one_of(*ROLLOUT_ENGINES), "rl.rollout_slots": NONNEGATIVE_INT,
+    # Rollouts for step k sampled by the weights of max_lag updates earlier (0: on-policy), and
+    # how their ratio to the trained policy is corrected (GRPO's cap; REINFORCE's is rl.is_cap).
+    "rl.max_lag": NONNEGATIVE_INT, "rl.importance_correction": one_of(*IMPORTANCE_CORRECTIONS),
+    "rl.importance_cap": Rule("a number ≥ 1 (a cap on π_θ / π_behaviour)",
+                              lambda v: _number(v) and v >= 1),
     "optimizer.warmup_steps": NONNEGATIVE_INT,
     "optimizer.probe_size": POSITIVE_INT, "optimizer.max_consecutive_skips": POSITIVE_INT,
     "optimizer.max_weight_norm_growth": Rule("a number > 1 (a multiple of the initial weight norm)",

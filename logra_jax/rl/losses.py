@@ -17,6 +17,10 @@ import jax.numpy as jnp
 
 KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
 LOSS_AGG_MODES: tuple[str, ...] = ("token-mean", "sequence-mean")
+# How a ratio ρ = π_θ / π_behaviour above the cap C is corrected (docs/algorithm.md §7):
+#   tis  truncated: the weight is min(ρ, C)
+#   mis  masked:    the weight is ρ where ρ ≤ C, and the token is dropped (weight 0) where ρ > C
+IMPORTANCE_CORRECTIONS: tuple[str, ...] = ("tis", "mis")
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -46,6 +50,49 @@ def _check_advantages(advantages: jax.Array, mask: jax.Array) -> None:
 def _masked_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
     """Σ m x / Σ m, and 0 when nothing is unmasked."""
     return jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def _masked_max(x: jax.Array, mask: jax.Array) -> jax.Array:
+    """max of x over the unmasked entries, and 0 when nothing is unmasked."""
+    return jnp.where(jnp.any(mask > 0), jnp.max(jnp.where(mask > 0, x, -jnp.inf)), 0.0)
+
+
+def importance_ratio(logp: jax.Array, behaviour_logp: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(ρ, finite): ρ = sg(π_θ / π_behaviour) per token, and where log π_θ − log π_behaviour is
+    finite; ρ is 1 where it is not (such a token gets weight 0 from `importance_weights`)."""
+    log_ratio = jax.lax.stop_gradient(logp) - behaviour_logp
+    finite = jnp.isfinite(log_ratio)
+    return jnp.exp(jnp.where(finite, log_ratio, 0.0)), finite
+
+
+def importance_weights(ratio: jax.Array, finite: jax.Array, cap, correction: str) -> jax.Array:
+    """The corrected weight of each token (no gradient), for ratio ρ and cap C:
+        tis   w = min(ρ, C)
+        mis   w = ρ · [ρ ≤ C]
+    and w = 0 where the log-ratio is not finite (the sampler could not have drawn the token)."""
+    _check_choice("importance correction", correction, IMPORTANCE_CORRECTIONS)
+    kept = jnp.minimum(ratio, cap) if correction == "tis" else jnp.where(ratio <= cap, ratio, 0.0)
+    return jnp.where(finite, kept, 0.0)
+
+
+def importance_metrics(ratio: jax.Array, finite: jax.Array, weight: jax.Array, cap,
+                       log_ratio_mask: jax.Array, mask: jax.Array, logp: jax.Array,
+                       behaviour_logp: jax.Array, *, with_max: bool) -> dict[str, jax.Array]:
+    """Token means over ``mask`` of the weights and of the sampler/trainer gap:
+        importance_weight/mean         mean w
+        importance_weight/max          max ρ (before the correction; only ``with_max``)
+        importance_weight/capped_mean  share of tokens with ρ > C
+        rollout_mismatch               mean (log π_behaviour − log π_θ) over the finite ones"""
+    gap = jnp.where(finite, behaviour_logp - jax.lax.stop_gradient(logp), 0.0)
+    metrics = {
+        "importance_weight/mean": _masked_mean(weight, mask),
+        "importance_weight/capped_mean": _masked_mean(((ratio > cap) & finite).astype(logp.dtype),
+                                                      mask),
+        "rollout_mismatch": _masked_mean(gap, log_ratio_mask),
+    }
+    if with_max:
+        metrics["importance_weight/max"] = _masked_max(jnp.where(finite, ratio, 0.0), mask)
+    return metrics
 
 
 def aggregate(per_token: jax.Array, mask: jax.Array, loss_agg_mode: str) -> jax.Array:
@@ -124,7 +171,8 @@ def kl_penalty(logp: jax.Array, ref_logp: jax.Array, estimator: str) -> jax.Arra
 def grpo_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, mask: jax.Array, *,
               ref_logp: jax.Array | None = None, epsilon: float = 0.2,
               epsilon_high: float | None = None, beta: float = 0.0, kl_estimator: str = "k3",
-              loss_agg_mode: str = "token-mean") -> tuple[jax.Array, dict[str, jax.Array]]:
+              loss_agg_mode: str = "token-mean", importance_correction: str | None = None,
+              importance_cap: float = 2.0) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The GRPO objective (clipped surrogate + reference KL), as a loss to minimise.
 
     Per token, with ratio ρ = exp(log π_θ − log π_old) and the sequence's advantage A:
@@ -132,6 +180,16 @@ def grpo_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, mask:
     ε_high defaults to ε (symmetric clipping; ε_high > ε is DAPO's "clip higher"). The KL term is
     ``kl_penalty(logp, ref_logp, kl_estimator)`` and needs ``ref_logp`` when β ≠ 0. The loss is
     ``aggregate(ℓ, mask, loss_agg_mode)``.
+
+    Off-policy (``importance_correction`` given, for rollouts sampled by older weights): π_old is
+    the behaviour policy whose log-probs the sampler recorded, and the ratio is corrected at the
+    cap C = ``importance_cap`` (ρ_sg: ρ without gradient):
+        tis   ℓ = −min(min(ρ, C)·A, clip(ρ, 1 − ε, 1 + ε_high)·A)   (dual clip: for A < 0 the
+              unclipped branch is bounded by C·A, where PPO's clip alone leaves it unbounded)
+        mis   ℓ = −min(ρ·A, clip(ρ, 1 − ε, 1 + ε_high)·A) · [ρ_sg ≤ C]   (the token is dropped)
+    and a token with a non-finite log-ratio contributes nothing. `importance_metrics` then adds
+    the weights' mean/max/capped share and the sampler/trainer gap. None: the computation above,
+    π_old as given (the on-policy loop passes sg(π_θ), so ρ = 1).
 
     Metrics (token means over the mask):
         clip_ratio/low_mean   share of tokens with ρ < 1 − ε and A < 0 (the clip stops the push down)
@@ -150,11 +208,32 @@ def grpo_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, mask:
         raise ValueError(f"beta={beta} needs ref_logp for the reference KL term; pass ref_logp "
                          "or set beta=0")
 
+    if importance_correction is not None:
+        _check_choice("importance_correction", importance_correction, IMPORTANCE_CORRECTIONS)
+        if isinstance(importance_cap, (int, float)) and not importance_cap > 0:
+            raise ValueError(f"importance_cap must be > 0, got {importance_cap}")
+
     mask = mask.astype(logp.dtype)
     adv = advantages.astype(logp.dtype)[:, None]
-    ratio = jnp.exp(logp - old_logp)
-    clipped = jnp.clip(ratio, 1.0 - epsilon, 1.0 + epsilon_high)
-    per_token = -jnp.minimum(ratio * adv, clipped * adv)
+    extra = {}
+    if importance_correction is None:
+        ratio = jnp.exp(logp - old_logp)
+        clipped = jnp.clip(ratio, 1.0 - epsilon, 1.0 + epsilon_high)
+        per_token = -jnp.minimum(ratio * adv, clipped * adv)
+    else:
+        ratio_sg, finite = importance_ratio(logp, old_logp)
+        log_ratio = jnp.where(finite, logp - old_logp, 0.0)
+        ratio = jnp.exp(log_ratio)   # differentiable; 1 where the log-ratio is not finite
+        clipped = jnp.clip(ratio, 1.0 - epsilon, 1.0 + epsilon_high)
+        if importance_correction == "tis":
+            unclipped, keep = jnp.minimum(ratio, importance_cap), finite
+        else:
+            unclipped, keep = ratio, finite & (ratio_sg <= importance_cap)
+        # where, not ·keep: a dropped token's loss may be inf·0.
+        per_token = jnp.where(keep, -jnp.minimum(unclipped * adv, clipped * adv), 0.0)
+        weight = importance_weights(ratio_sg, finite, importance_cap, importance_correction)
+        extra = importance_metrics(ratio_sg, finite, weight, importance_cap, mask * finite, mask,
+                                   logp, old_logp, with_max=True)
 
     if ref_logp is not None:
         kl = kl_penalty(logp, ref_logp, kl_estimator)
@@ -170,12 +249,14 @@ def grpo_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, mask:
         "clip_ratio/low_mean": _masked_mean(low, mask),
         "clip_ratio/high_mean": _masked_mean(high, mask),
         "kl": mean_kl,
+        **extra,
     }
     return loss, metrics
 
 
 def reinforce_loss(logp: jax.Array, rollout_logp: jax.Array, advantages: jax.Array,
                    mask: jax.Array, *, is_cap: float = 2.0, loss_agg_mode: str = "token-mean",
+                   correction: str = "tis", with_max: bool = False,
                    ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """REINFORCE with truncated importance weights: the KL variant's loss (docs/algorithm.md §7).
 
@@ -183,6 +264,9 @@ def reinforce_loss(logp: jax.Array, rollout_logp: jax.Array, advantages: jax.Arr
     (numerics, stale weights). Per token, with the outcome advantage A = outcome − baseline:
         w = sg(min(π_θ / π_rollout, is_cap)) = sg(min(exp(log π_θ − log π_rollout), is_cap))
         ℓ = −w · A · log π_θ
+    (``correction="tis"``; ``"mis"`` masks instead of truncating: w = sg(ρ)·[ρ ≤ is_cap],
+    `importance_weights`). With rollouts sampled by older weights (``rl.max_lag`` ≥ 1) π_rollout
+    is that older behaviour policy, and ``with_max`` adds importance_weight/max (max ρ).
     sg = stop_gradient: the weight corrects the sampling distribution and is not differentiated,
     so ∇ℓ = −w·A·∇log π_θ. Aggregated with ``loss_agg_mode`` (the KL variant uses token-mean).
     A token with a non-finite log-prob on either side (log π_rollout = −inf: the sampler could
@@ -195,26 +279,20 @@ def reinforce_loss(logp: jax.Array, rollout_logp: jax.Array, advantages: jax.Arr
                                       that the predicted-KL controller subtracts (§6)
     """
     _check_choice("loss_agg_mode", loss_agg_mode, LOSS_AGG_MODES)
+    _check_choice("correction", correction, IMPORTANCE_CORRECTIONS)
     if isinstance(is_cap, (int, float)) and not is_cap > 0:
         raise ValueError(f"is_cap must be > 0, got {is_cap}")
     _check_token_shapes(mask, logp=logp, rollout_logp=rollout_logp)
     _check_advantages(advantages, mask)
 
     mask = mask.astype(logp.dtype)
-    log_ratio = jax.lax.stop_gradient(logp) - rollout_logp
-    finite = jnp.isfinite(log_ratio)
-    ratio = jnp.exp(jnp.where(finite, log_ratio, 0.0))
-    weight = jnp.where(finite, jnp.minimum(ratio, is_cap), 0.0)
+    ratio, finite = importance_ratio(logp, rollout_logp)
+    weight = importance_weights(ratio, finite, is_cap, correction)
     # where, not w·(…): 0·log π_θ would be NaN at log π_θ = −inf.
     per_token = jnp.where(weight > 0, -weight * advantages.astype(logp.dtype)[:, None] * logp, 0.0)
     loss = aggregate(per_token, mask, loss_agg_mode)
-    metrics = {
-        "importance_weight/mean": _masked_mean(weight, mask),
-        "importance_weight/capped_mean": _masked_mean(((ratio > is_cap) & finite).astype(logp.dtype),
-                                                      mask),
-        "rollout_mismatch": _masked_mean(jnp.where(finite, -log_ratio, 0.0), mask * finite),
-    }
-    return loss, metrics
+    return loss, importance_metrics(ratio, finite, weight, is_cap, mask * finite, mask, logp,
+                                    rollout_logp, with_max=with_max)
 
 
 def update_baseline(baseline: jax.Array | float, outcomes: jax.Array,

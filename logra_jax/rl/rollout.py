@@ -189,13 +189,23 @@ def process_prompts(batch_sharding, num_prompts: int, num_generations: int) -> s
     return slice(rows.start // num_generations, rows.stop // num_generations)
 
 
-def collect_rollouts(sampler: Sampler, params, tokenizer, examples, spec: RolloutSpec, rng,
-                     batch_sharding) -> Rollouts:
-    """Samples ``num_generations`` completions per prompt (rows of a group are adjacent).
+@dataclasses.dataclass
+class PendingRollouts:
+    """A batch of completions the sampler was asked for, not yet read back: `dispatch_rollouts`
+    returns as soon as the sampler's programs are queued (JAX's asynchronous dispatch), so the
+    caller can queue the trainer's update on its own devices before `finish_rollouts` waits."""
 
-    ``examples`` are the step's prompts, the same on every process; each process encodes and
-    decodes only its own (`process_prompts`), and the sampler runs once over the global batch.
-    """
+    out: Any            # the sampler's SampleOutput, its arrays possibly still being computed
+    local: Any          # this process's examples
+    mine: slice         # this process's prompts of the step
+    num_generations: int
+
+
+def dispatch_rollouts(sampler: Sampler, params, tokenizer, examples, spec: RolloutSpec, rng,
+                      batch_sharding) -> PendingRollouts:
+    """Queues the sampling of ``num_generations`` completions per prompt (rows of a group are
+    adjacent). ``examples`` are the step's prompts, the same on every process; each process
+    encodes only its own (`process_prompts`), and the sampler runs once over the global batch."""
     g = spec.num_generations
     mine = process_prompts(batch_sharding, len(examples), g)
     local = examples[mine]
@@ -204,13 +214,28 @@ def collect_rollouts(sampler: Sampler, params, tokenizer, examples, spec: Rollou
     tokens, mask = host_arrays.from_process_rows((tokens, mask), batch_sharding, len(examples) * g)
     out = sampler.generate(params, tokens, mask, rng, temperature=spec.temperature,
                            top_p=spec.top_p, top_k=spec.top_k)
+    return PendingRollouts(out=out, local=local, mine=mine, num_generations=g)
+
+
+def finish_rollouts(pending: PendingRollouts, tokenizer, eos_ids) -> Rollouts:
+    """The `Rollouts` of ``pending``: waits for the sampler's tokens and decodes this process's
+    rows to text (host work)."""
+    out, g, mine = pending.out, pending.num_generations, pending.mine
     seqs = Sequences.from_sample(out.prompt_tokens, out.prompt_mask, out.tokens, out.mask)
     texts = decode_completions(tokenizer, host_arrays.local_rows(out.tokens),
-                               host_arrays.local_rows(out.mask), sampler.eos_ids)
-    golds = [ex["answer"] for ex in local for _ in range(g)]
+                               host_arrays.local_rows(out.mask), eos_ids)
+    golds = [ex["answer"] for ex in pending.local for _ in range(g)]
     return Rollouts(seqs=seqs, rollout_logp=out.logprobs, completed=out.finished, texts=texts,
                     golds=golds, rows=slice(mine.start * g, mine.stop * g),
                     token_steps=out.token_steps)
+
+
+def collect_rollouts(sampler: Sampler, params, tokenizer, examples, spec: RolloutSpec, rng,
+                     batch_sharding) -> Rollouts:
+    """Samples ``num_generations`` completions per prompt and decodes them: `dispatch_rollouts`
+    then `finish_rollouts`."""
+    return finish_rollouts(dispatch_rollouts(sampler, params, tokenizer, examples, spec, rng,
+                                             batch_sharding), tokenizer, sampler.eos_ids)
 
 
 class RolloutSource(Protocol):

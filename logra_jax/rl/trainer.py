@@ -11,6 +11,11 @@ bottom like the loop it runs (big_vision style): assemble the run's parts from t
   3. score the completions under the frozen reference model (when the algorithm's loss reads it),
   4. update the policy (`PolicyUpdate`: sketched gradients, LoGRA or AdamW, KL control),
   5. hand the new weights to the rollout engine, log metrics, checkpoint.
+
+With ``rl.max_lag`` = η ≥ 1 the loop is pipelined (rl/pipeline.py): step k first queues the
+sampling of the rollout for step k + η with the current weights, then trains on the rollout
+sampled η updates earlier while the sampler works (on the rollout devices, when the run has them),
+and decodes and grades the new rollout in between (host work beside the devices' work).
 """
 
 from __future__ import annotations
@@ -32,10 +37,11 @@ from logra_jax import config as config_lib
 from logra_jax import distributed, host_arrays
 from logra_jax import metrics as metrics_lib
 from logra_jax.rl import assembly, build, stopping
+from logra_jax.rl import pipeline as pipeline_lib
 from logra_jax.rl import workdir as workdir_lib
 from logra_jax.rl.assembly import RunParts
-from logra_jax.rl.rollout import (RewardError, Rollouts, collect_rollouts, fit_prompt_window,
-                                  work_metrics)
+from logra_jax.rl.rollout import (RewardError, Rollouts, dispatch_rollouts, finish_rollouts,
+                                  fit_prompt_window, work_metrics)
 from logra_jax.rl.update import TrainBatch
 from logra_jax.tree_paths import nonfinite_leaves
 
@@ -144,6 +150,7 @@ class Run:
         self._trained = False       # a step of this run reached metrics.jsonl
         self._restored = False      # the run continues a checkpoint
         self._decode_mode: str | None = None    # the sampler's resolved decode program
+        self.queue: pipeline_lib.RolloutQueue | None = None   # rollouts sampled ahead (max_lag ≥ 1)
         self._config_recorded = False
         self.summary: str | None = None   # `loop`'s one line of what it trained (process 0)
         # What can be checked in a moment is checked before the model is built, and before
@@ -233,10 +240,16 @@ class Run:
         workdir's config.json is written only once that is known: a run refused or failed before
         here leaves the config.json of the run it would have continued as it was."""
         params, opt_state = self.parts.init_state()
-        latest = self.ckpt.restore_latest((params, opt_state))
+        lag = self.config.rl.max_lag
+        self.queue = pipeline_lib.RolloutQueue(lag) if lag else None
+        queue_meta = self._queue_meta() if lag else None
+        state = (params, opt_state)
+        if queue_meta is not None:
+            state += (pipeline_lib.RolloutQueue.target(queue_meta, self.parts.batch_sharding),)
+        latest = self.ckpt.restore_latest(state)
         if latest is None:
             return params, opt_state, 0, 0.0
-        saved, (params, opt_state), meta = latest
+        saved, (params, opt_state, *queued), meta = latest
         self._restored = True
         where = self.ckpt.directory / str(saved)
         _check_finite(params, opt_state, where)
@@ -244,6 +257,9 @@ class Run:
         # History checked every readable checkpoint; this is the one restored, read whole.
         workdir_lib.check_checkpoint_config(meta.get(CONFIG_META), where, self.config)
         self.data.restore(data_state)
+        if self.queue is not None:
+            self.queue.restore(queued[0], meta[pipeline_lib.QUEUE_META], self.parts.batch_sharding,
+                               self.parts.tokenizer, self.parts.sampler.eos_ids)
         self._keep_decode_mode(config_lib.recorded_decode_mode(meta.get(CONFIG_META))
                                or config_lib.recorded_decode_mode(self._history and
                                                                   self._history.config))
@@ -253,6 +269,23 @@ class Run:
         self._config_recorded = (self.workdir / workdir_lib.CONFIG).exists()
         self._record_config()
         return params, opt_state, step, baseline
+
+    def _queue_meta(self) -> dict | None:
+        """What the newest checkpoint whose meta reads records of its queued rollouts (their
+        shapes are a resume's restore target; every checkpoint of a run has the same); None
+        without a checkpoint. The fingerprint (checked before) holds ``rl.max_lag``: a checkpoint
+        of a run with another lag was refused by name already."""
+        for step in sorted(self.ckpt.all_steps() if self.ckpt else [], reverse=True):
+            try:
+                meta = self.ckpt.read_meta(step)
+            except Exception:  # noqa: BLE001  a damaged one is restore_latest's to set aside
+                continue
+            if pipeline_lib.QUEUE_META not in meta:
+                raise ValueError(f"checkpoint {self.ckpt.directory / str(step)} holds no queued "
+                                 f"rollouts, which rl.max_lag={self.config.rl.max_lag} needs "
+                                 f"(written by a run without a lag)")
+            return meta[pipeline_lib.QUEUE_META]
+        return None
 
     def _keep_decode_mode(self, recorded: str | None) -> None:
         """A resumed run samples with the decode program its first process picked (``recorded``),
@@ -310,6 +343,10 @@ class Run:
                                            files=distributed.is_primary(),
                                            kl_measured=t.reference_params is not None)
         base_rng = jax.random.PRNGKey(config.seed)
+        if config.rl.max_lag and not config.sync.rollout_devices:
+            logging.info("rl.max_lag=%d with sync.rollout_devices=0: the sampler shares the "
+                         "trainer's devices, so nothing overlaps; the run is %d step(s) off-policy "
+                         "all the same", config.rl.max_lag, config.rl.max_lag)
         try:
             with stopping.deferred() as stop:
                 last, step, params, opt_state, stopped = self._steps(
@@ -343,28 +380,39 @@ class Run:
         """The steps from ``step`` to max_steps (or to a stop request on any process): the five of
         the docstring. Returns (last row, step, params, opt_state, stopped)."""
         config, t, data, ckpt = self.config, self.parts, self.data, self.ckpt
+        lag, queue = config.rl.max_lag, self.queue
         last: dict[str, Any] = {}
         skipped_in_a_row = 0
         stopped = False
+        if queue is not None:   # a fresh run: R_1 … R_η, sampled by the initial weights
+            while len(queue) < lag:
+                queue.push(self._graded(self._dispatch(step + 1 + len(queue), rollouts, base_rng),
+                                        rollouts, version=step))
         while step < config.max_steps and not stopped:
             step += 1
             times: dict[str, float] = {}
-            rng = jax.random.fold_in(base_rng, step)  # a pure function of the step: resume-exact
 
-            # 1. Rollout with the sampler's weights, on its devices; the batch then moves to ours.
-            with _timed(times, "time/rollout"):
-                ro = collect_rollouts(t.sampler, rollouts.weights, t.tokenizer, data.next(),
-                                      t.rollout_spec, rng, rollouts.batch_sharding)
-                ro.seqs, ro.rollout_logp, ro.completed, ro.token_steps = jax.device_put(
-                    (ro.seqs, ro.rollout_logp, ro.completed, ro.token_steps), t.batch_sharding)
+            if queue is None:
+                # 1. Rollout with the sampler's weights, on its devices; the batch then moves to
+                #    ours. 2. Rewards (each process grades its own rows).
+                with _timed(times, "time/rollout"):
+                    pending = self._dispatch(step, rollouts, base_rng)
+                    ro = self._finished(pending)
+                with _timed(times, "time/reward"):
+                    r = self._rewards(ro, rollouts)
+                    adv, baseline = t.advantages(r, baseline)  # REINFORCE: updated after use
+            else:
+                # 1. The rollout for step + η is queued on the sampler with the current weights
+                #    (version step − 1); this step trains on the oldest queued one.
+                with _timed(times, "time/rollout"):
+                    ahead = self._dispatch(step + lag, rollouts, base_rng)
+                    trained = queue.pop()
+                    ro, r = trained.rollouts, trained.rewards
+                with _timed(times, "time/reward"):
+                    adv, baseline = t.advantages(r, baseline)
 
-            # 2. Rewards (each process grades its own rows) and advantages (from every row's:
-            #    a GRPO group is whole, REINFORCE's baseline sees the whole batch).
-            with _timed(times, "time/reward"):
-                r = host_arrays.to_host(host_arrays.from_process_rows(
-                    t.grader(ro.texts, ro.golds), rollouts.batch_sharding, len(ro.rollout_logp)))
-                adv, baseline = t.advantages(r, baseline)  # REINFORCE: baseline updated after use
-
+            # 2. (cont.) Advantages are from every row's rewards: a GRPO group is whole,
+            #    REINFORCE's baseline sees the whole batch.
             # 3. Reference log-probs (zeros when the algorithm reads none).
             with _timed(times, "time/reference"):
                 ref_logp = t.reference_logprobs(ro)
@@ -375,7 +423,15 @@ class Run:
                                    rollout_logp=ro.rollout_logp, ref_logp=ref_logp,
                                    completed=ro.completed)
                 params, opt_state, update_metrics, *compact = t.update(params, opt_state, batch)
-                update_metrics = jax.device_get(update_metrics)
+                if queue is None:
+                    update_metrics = jax.device_get(update_metrics)
+            if queue is not None:
+                # While the devices sample and update: the queued rollout's text and rewards.
+                with _timed(times, "time/overlap_host"):
+                    queue.push(self._graded(ahead, rollouts, version=step - 1))
+                with _timed(times, "time/update_wait"):
+                    update_metrics = jax.device_get(update_metrics)
+                update_metrics["rollout/lag"] = trained.lag(step - 1)
 
             # 5. The new weights reach the sampler; log; checkpoint.
             with _timed(times, "time/sync"):
@@ -391,10 +447,44 @@ class Run:
             skipped_in_a_row = self._check_divergence(step, last, params, skipped_in_a_row)
             stopped = distributed.any_process(stop.signum is not None)
             if step % config.checkpoint.every == 0 or step == config.max_steps or stopped:
-                ckpt.save(step, (params, opt_state),
-                          {**dict(zip(LOOP_META, (step, baseline, data.state()))),
-                           CONFIG_META: self._fingerprint})
+                self._save(step, params, opt_state, baseline)
         return last, step, params, opt_state, stopped
+
+    def _dispatch(self, index: int, rollouts, base_rng):
+        """Queues the sampling of the rollout step ``index`` trains on: the data's next prompts,
+        the rng a pure function of ``index`` (resume-exact), the sampler's current weights."""
+        t = self.parts
+        rng = jax.random.fold_in(base_rng, index)
+        return dispatch_rollouts(t.sampler, rollouts.weights, t.tokenizer, self.data.next(),
+                                 t.rollout_spec, rng, rollouts.batch_sharding)
+
+    def _finished(self, pending) -> Rollouts:
+        """``pending``'s rollouts, decoded, their arrays moved to the trainer's batch layout."""
+        t = self.parts
+        ro = finish_rollouts(pending, t.tokenizer, t.sampler.eos_ids)
+        ro.seqs, ro.rollout_logp, ro.completed, ro.token_steps = jax.device_put(
+            (ro.seqs, ro.rollout_logp, ro.completed, ro.token_steps), t.batch_sharding)
+        return ro
+
+    def _rewards(self, ro: Rollouts, rollouts) -> np.ndarray:
+        """Every row's reward (each process grades its own rows), on the host."""
+        return host_arrays.to_host(host_arrays.from_process_rows(
+            self.parts.grader(ro.texts, ro.golds), rollouts.batch_sharding, len(ro.rollout_logp)))
+
+    def _graded(self, pending, rollouts, *, version: int) -> pipeline_lib.Queued:
+        ro = self._finished(pending)
+        return pipeline_lib.Queued(version, ro, self._rewards(ro, rollouts))
+
+    def _save(self, step: int, params, opt_state, baseline) -> None:
+        """Checkpoint ``step``: the weights, the optimizer, the loop's meta and, with a lag, the
+        queued rollouts (rl/pipeline.py)."""
+        meta = {**dict(zip(LOOP_META, (step, baseline, self.data.state()))),
+                CONFIG_META: self._fingerprint}
+        state = (params, opt_state)
+        if self.queue is not None:
+            state += (self.queue.arrays(self.parts.batch_sharding),)
+            meta[pipeline_lib.QUEUE_META] = self.queue.meta()
+        self.ckpt.save(step, state, meta)
 
     def _forget_steps_without_checkpoint(self) -> None:
         """After a failed step, when no checkpoint holds any of this run's steps (a fresh run

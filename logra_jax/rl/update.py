@@ -239,7 +239,9 @@ class PolicyUpdate:
 
         mismatch_count = jnp.sum(aux.pop("mismatch_count"))
         mismatch = jnp.sum(aux.pop("mismatch_sum")) / jnp.maximum(mismatch_count, 1.0)
-        metrics = {name: jnp.mean(value) for name, value in aux.items()}
+        # Micro-batch metrics are averaged over the micro-batches; a maximum (``…/max``) is the max.
+        metrics = {name: jnp.max(value) if name.endswith("/max") else jnp.mean(value)
+                   for name, value in aux.items()}
         metrics["logra/mismatch_now"] = mismatch
 
         # The realized KL on the probe, from hidden states and heads: full-vocabulary logits exist

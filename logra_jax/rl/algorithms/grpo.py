@@ -17,21 +17,33 @@ from logra_jax.rl.algorithms.base import Algorithm
 
 @dataclasses.dataclass(frozen=True)
 class GRPOLoss:
-    """`losses.grpo_loss` of one micro-batch: π_old is the policy itself, detached (one update per
-    batch), and the reference KL term is added when ``beta`` > 0."""
+    """`losses.grpo_loss` of one micro-batch, with the reference KL term when ``beta`` > 0.
+
+    On-policy (``importance_correction`` None: ``rl.max_lag`` = 0) π_old is the policy itself,
+    detached (one update per batch): ρ = 1 and the clip never binds. Off-policy (a lag ≥ 1) π_old
+    is the behaviour policy, the log-probs the sampler recorded (``batch.rollout_logp``), and the
+    ratio is corrected at ``importance_cap`` (tis | mis)."""
 
     epsilon: float = 0.2
     epsilon_high: float | None = None
     beta: float = 0.0
     kl_estimator: str = "k3"
     loss_agg_mode: str = "token-mean"
+    importance_correction: str | None = None
+    importance_cap: float = 2.0
 
     def __call__(self, logp: jax.Array, batch) -> tuple[jax.Array, dict[str, jax.Array]]:
+        if self.importance_correction is None:
+            old_logp, off_policy = jax.lax.stop_gradient(logp), {}
+        else:
+            old_logp = batch.rollout_logp
+            off_policy = dict(importance_correction=self.importance_correction,
+                              importance_cap=self.importance_cap)
         return losses.grpo_loss(
-            logp, jax.lax.stop_gradient(logp), batch.advantages, batch.seqs.completion_mask,
+            logp, old_logp, batch.advantages, batch.seqs.completion_mask,
             ref_logp=batch.ref_logp if self.beta > 0 else None, epsilon=self.epsilon,
             epsilon_high=self.epsilon_high, beta=self.beta, kl_estimator=self.kl_estimator,
-            loss_agg_mode=self.loss_agg_mode)
+            loss_agg_mode=self.loss_agg_mode, **off_policy)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,8 +62,13 @@ class GroupAdvantages:
 
 
 def loss(rl: ml_collections.ConfigDict) -> GRPOLoss:
+    """π_old is the behaviour policy, corrected by ``rl.importance_correction`` at
+    ``rl.importance_cap``, only when the rollouts lag (``rl.max_lag`` ≥ 1)."""
+    off_policy = rl.get("max_lag", 0) >= 1
     return GRPOLoss(epsilon=rl.epsilon, epsilon_high=rl.epsilon_high or None, beta=rl.beta,
-                    kl_estimator=rl.kl_estimator, loss_agg_mode=rl.loss_agg_mode)
+                    kl_estimator=rl.kl_estimator, loss_agg_mode=rl.loss_agg_mode,
+                    importance_correction=rl.importance_correction if off_policy else None,
+                    importance_cap=rl.importance_cap)
 
 
 def advantages(rl: ml_collections.ConfigDict) -> GroupAdvantages:

@@ -17,15 +17,20 @@ from logra_jax.rl.algorithms.base import Algorithm
 
 @dataclasses.dataclass(frozen=True)
 class ReinforceLoss:
-    """`losses.reinforce_loss` of one micro-batch, weighted by π_θ / π_rollout capped at ``is_cap``."""
+    """`losses.reinforce_loss` of one micro-batch, weighted by π_θ / π_rollout truncated
+    (``correction="tis"``) or masked (``"mis"``) at ``is_cap``; ``with_max`` (a run with a lag)
+    adds the largest ratio to the metrics."""
 
     is_cap: float = 2.0
     loss_agg_mode: str = "token-mean"
+    correction: str = "tis"
+    with_max: bool = False
 
     def __call__(self, logp: jax.Array, batch) -> tuple[jax.Array, dict[str, jax.Array]]:
         return losses.reinforce_loss(logp, batch.rollout_logp, batch.advantages,
                                      batch.seqs.completion_mask, is_cap=self.is_cap,
-                                     loss_agg_mode=self.loss_agg_mode)
+                                     loss_agg_mode=self.loss_agg_mode, correction=self.correction,
+                                     with_max=self.with_max)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +47,11 @@ class RunningBaselineAdvantages:
 
 
 def loss(rl: ml_collections.ConfigDict) -> ReinforceLoss:
-    return ReinforceLoss(is_cap=rl.is_cap, loss_agg_mode=rl.loss_agg_mode)
+    """Its cap is ``rl.is_cap`` (GRPO's ``rl.importance_cap``); ``rl.importance_correction``
+    chooses truncation or masking at any lag (tis at lag 0 is the KL variant's own loss)."""
+    return ReinforceLoss(is_cap=rl.is_cap, loss_agg_mode=rl.loss_agg_mode,
+                         correction=rl.get("importance_correction", "tis"),
+                         with_max=rl.get("max_lag", 0) >= 1)
 
 
 def advantages(rl: ml_collections.ConfigDict) -> RunningBaselineAdvantages:
