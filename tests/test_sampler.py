@@ -78,7 +78,7 @@ def check_work_metrics(out, eos_ids, steps: int, passes: int, chunk: int | None 
     expected = steps_each_pass_runs(lengths, passes, chunk)
     np.testing.assert_array_equal(out.token_steps, expected)
     rows, window = out.prompt_tokens.shape
-    metrics = work_metrics(np.asarray(out.mask), np.asarray(out.token_steps), window)
+    metrics = work_metrics(np.asarray(out.mask), np.asarray(out.token_steps), rows * window)
     assert metrics == {"rollout/kept_tokens": lengths.sum(), "rollout/decode_row_steps": expected.sum(),
                        "rollout/efficiency": lengths.sum() / expected.sum(),
                        "rollout/prefill_tokens": rows * PROMPT_LEN}

@@ -128,7 +128,7 @@ class Rollouts:
 
 
 def work_metrics(completion_mask: np.ndarray, token_steps: np.ndarray,
-                 prompt_window: int) -> dict[str, float]:
+                 prefill_tokens: int) -> dict[str, float]:
     """What a rollout's sampling spent against what it kept, every row's (host arrays):
 
     - ``rollout/kept_tokens``: completion tokens kept, Σ mask (each row's up to and including EOS);
@@ -138,14 +138,15 @@ def work_metrics(completion_mask: np.ndarray, token_steps: np.ndarray,
     - ``rollout/efficiency`` = kept / executed: 1 when every executed row-step drew a kept
       token; a static pass runs every row until its longest ends, and a GPU to the end of a
       16-step chunk;
-    - ``rollout/prefill_tokens``: prompt tokens prefilled, rows × ``prompt_window``: every row
-      prefills the whole left-padded window, its group's prompt G times over.
+    - ``rollout/prefill_tokens``: prompt tokens prefilled, the sampler's prefilled rows × the
+      left-padded window (`Sampler.prefilled_rows`): the static engine prefills every row, its
+      group's prompt G times over; the slot engine each group once.
     """
     kept = int(np.sum(completion_mask))
     executed = int(np.sum(token_steps))
     return {"rollout/kept_tokens": kept, "rollout/decode_row_steps": executed,
             "rollout/efficiency": kept / executed,
-            "rollout/prefill_tokens": int(completion_mask.shape[0]) * int(prompt_window)}
+            "rollout/prefill_tokens": int(prefill_tokens)}
 
 
 def prompt_text(example, tokenizer, spec: RolloutSpec) -> str:

@@ -73,7 +73,8 @@ def step_row(t: RunParts, step: int, update_metrics, r: np.ndarray, ro: Rollouts
                accuracy=float(np.mean(r >= 1.0)),
                **{"completions/mean_length": float(lengths.mean()),
                   "completions/clipped_ratio": float(1.0 - completed.mean())},
-               **work_metrics(mask, token_steps, ro.seqs.prompt_length),
+               **work_metrics(mask, token_steps,
+                              t.sampler.prefilled_rows(len(mask)) * ro.seqs.prompt_length),
                **times)
     row.update(jax.device_get(t.optimizer.metrics(opt_state)))
     row["learning_rate"] = float(t.optimizer.learning_rate(step - 1))

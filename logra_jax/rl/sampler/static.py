@@ -156,6 +156,11 @@ class Sampler:
         return self._generate(*args, limit, per_layer=per_layer,
                               **static)
 
+    def prefilled_rows(self, batch: int) -> int:
+        """How many prompts a call of ``batch`` rows prefills: every row's (static), or one per
+        group of ``group_size`` rows (slots)."""
+        return batch // self.group_size if self.engine == "slots" else batch
+
     def preset_decode_mode(self, mode: str) -> None:
         """"auto" runs ``mode`` from now on: a resumed run keeps the program its workdir records
         (one written by an older version, whose pick was timed, or on another platform; the two
