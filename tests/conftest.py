@@ -15,17 +15,22 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 from launch.process import size_cpu_thread_pool  # noqa: E402
 
 size_cpu_thread_pool(8)
-# One persistent compilation cache per test session, shared by both pytest-xdist workers and
-# inherited by the launch.* subprocesses: the many real-process tests (signals, bad input,
-# resumes, two-process runs) compile the same train step again and again, in either worker, and a
-# cached program loads in a fraction of the compile. Every program is kept, not only those over
-# JAX's default second of compile: a warm 1-step tiny launch.train compiles ~90 small programs of
-# ~40 ms each (measured: 31.7 s cold, 16.9 s warm with the default, 13.9 s warm keeping all).
-# A size limit turns on JAX's file lock around every read and write of the cache (without one,
-# two processes could read an entry half written); it is far above what a session writes.
-# Each worker gets its own tfds data folder (tfds prepares a dataset in place; set before
+# One persistent compilation cache per pytest-xdist worker, inherited by the launch.* subprocesses
+# it starts: the many real-process tests (signals, bad input, resumes, two-process runs) compile the
+# same train step again and again, and a cached program loads in a fraction of the compile. Every
+# program is kept, not only those over JAX's default second of compile: a warm 1-step tiny
+# launch.train compiles ~90 small programs of ~40 ms each (measured: 31.7 s cold, 16.9 s warm with
+# the default, 13.9 s warm keeping all).
+# No size limit: a limit is what turns on JAX's file lock, and with it every write globs the whole
+# folder and rereads each entry's access-time file (jax/_src/lru_cache.py: _evict_if_needed), so a
+# session's thousands of small programs make the writes quadratic (measured: 44 ms a write at 1,000
+# entries, 475 ms at 10,000; tests/test_model_logprobs.py 7.7 s on an empty cache, 17.1 s beside
+# 3,000 entries). Without the lock an entry is written in place, so no two workers share a folder;
+# a worker's processes that compile one program at once may, rarely, read an entry half written,
+# which JAX reports as a warning and compiles again (jax/_src/compiler.py: _cache_read).
+# Each worker also gets its own tfds data folder (tfds prepares a dataset in place; set before
 # tensorflow_datasets is imported). The process that makes a folder removes it when it exits
-# (the workers and launch.* subprocesses that use it end first): a session leaves nothing in /tmp.
+# (the launch.* subprocesses that use it end first): a session leaves nothing in /tmp.
 import atexit  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
@@ -38,10 +43,13 @@ def _own_temporary_folder(prefix: str) -> str:
 
 
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER", "main")
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ:   # the session's first process: pytest itself
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = _own_temporary_folder("logra_xla_")
+# A worker inherits the controller's environment: LOGRA_TEST_OWN_CACHES says the folder there is
+# the suite's own (not one a developer set), so the worker replaces it with a folder of its own.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ or os.environ.get("LOGRA_TEST_OWN_CACHES"):
+    os.environ["LOGRA_TEST_OWN_CACHES"] = "1"
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _own_temporary_folder(f"logra_xla_{_WORKER}_")
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-    os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(64 * 2**30)
+    os.environ.pop("JAX_COMPILATION_CACHE_MAX_SIZE", None)
 if _WORKER != "main":
     os.environ["TFDS_DATA_DIR"] = _own_temporary_folder(f"logra_tfds_{_WORKER}_")
 

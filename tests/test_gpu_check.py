@@ -22,16 +22,23 @@ from process_env import without_device_count
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def test_gpu_check_on_cpu_writes_its_tables_and_an_update_that_does_not_fit(tmp_path):
-    """The whole driver (every part, toy sizes, ALLOW_CPU=1) with a 1 MiB budget per device: both
-    updates are refused by XLA:CPU's plan, each with XLA's own figure, and every other part leaves
-    its figures in gpu_check.json and gpu_check.md."""
-    out = tmp_path / "out"
+@pytest.fixture(scope="module")
+def gpu_check_on_cpu(tmp_path_factory):
+    """The whole driver (every part, toy sizes, ALLOW_CPU=1) with a 1 MiB budget per device, run
+    once: (its finished process, its --out folder)."""
+    out = tmp_path_factory.mktemp("gpu_check") / "out"
     env = without_device_count(ALLOW_CPU="1")   # the parts set their own device counts
     env.pop("XLA_PYTHON_CLIENT_MEM_FRACTION", None)
     done = subprocess.run([sys.executable, "-m", "launch.gpu_check", "--out", str(out),
                            "--memory_budget_gib", "0.001"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
+    return done, out
+
+
+def test_gpu_check_on_cpu_writes_its_tables_and_an_update_that_does_not_fit(gpu_check_on_cpu):
+    """Both updates are refused by XLA:CPU's plan, each with XLA's own figure, and every other
+    part leaves its figures in gpu_check.json and gpu_check.md."""
+    done, out = gpu_check_on_cpu
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads((out / "gpu_check.json").read_text())
     page = (out / "gpu_check.md").read_text()
@@ -63,6 +70,32 @@ def test_gpu_check_on_cpu_writes_its_tables_and_an_update_that_does_not_fit(tmp_
                     "## Sampler", "## Seconds per RL step", "## Commands"):
         assert heading in page
     assert "python -m launch.rl_step_time --config configs/tiny.py" in page
+
+
+def test_sampler_bench_compares_decode_modes_side_by_side(gpu_check_on_cpu):
+    """launch.sampler_bench on the tiny model, as the driver's sampler part runs it (one device,
+    2 rows, per_layer then stacked): one row per decode mode, the second timed against the first
+    (docs/results/sampler.md's figures come from the same command on SmolLM2)."""
+    done, out = gpu_check_on_cpu
+    assert done.returncode == 0, done.stderr[-3000:]
+    printed = (out / "sampler.out").read_text()
+    rows = [line.split() for line in printed.splitlines() if line.split()[:2] == ["1", "2"]]
+    assert [row[2] for row in rows] == ["per_layer", "stacked"]
+    # time/first is each mode's seconds over the first one's, so also its tokens/s (column 4)
+    # over the first one's, inverted: equal to the printed digits' rounding (tokens/s to 0.05,
+    # the ratio to 0.0005).
+    assert float(rows[0][-1]) == 1.0
+    first, second = float(rows[0][4]), float(rows[1][4])
+    slack = 0.0005 + first / second * (0.05 / first + 0.05 / second)
+    assert abs(float(rows[1][-1]) - first / second) <= slack, rows
+    # One device: the decode step's products alone, and the best ratio they leave (≤ the limit).
+    assert all(float(row[7]) > 0 and 0 < float(row[8]) for row in rows)
+    # With both programs timed, the line saying which auto's rule runs here and which was faster.
+    (advice,) = [line for line in printed.splitlines() if "auto's rule" in line]
+    assert "on 1 cpu device(s): per_layer; faster here: " in advice, advice
+    ratio = float(rows[1][-1])   # stacked's seconds over per_layer's, to 3 digits
+    if ratio != 1.0:
+        assert f"faster here: {'stacked' if ratio < 1 else 'per_layer'} " in advice, advice
 
 
 def test_gpu_check_without_a_gpu_refuses_unless_allowed(tmp_path):

@@ -369,36 +369,13 @@ def test_bad_input_is_rejected(setup):
         Sampler(policy, max_prompt_length=4, max_completion_length=4, eos_ids=[], pad_id=PAD)
 
 
-def test_sampler_bench_compares_decode_modes_side_by_side():
-    """launch.sampler_bench on the tiny model: one row per decode mode, the second timed against
-    the first (docs/results/sampler.md's figures come from the same command on SmolLM2)."""
+def test_sampler_bench_refuses_an_unknown_decode_mode():
+    """(Its table on the tiny model is checked on `make gpu-check`'s sampler part, which runs the
+    same command: tests/test_gpu_check.py.)"""
     import pathlib
     import subprocess
     import sys
     root = pathlib.Path(__file__).resolve().parents[1]
-    done = subprocess.run([sys.executable, "-m", "launch.sampler_bench", "--config", "configs/tiny.py",
-                           "--batches", "2", "--meshes", "1", "--prompt_length", "4",
-                           "--completion_length", "3", "--repeats", "1",
-                           "--decode_weights", "per_layer,stacked"],
-                          cwd=root, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    rows = [line.split() for line in done.stdout.splitlines() if line.split()[:2] == ["1", "2"]]
-    assert [row[2] for row in rows] == ["per_layer", "stacked"]
-    # time/first is each mode's seconds over the first one's, so also its tokens/s (column 4)
-    # over the first one's, inverted: equal to the printed digits' rounding (tokens/s to 0.05,
-    # the ratio to 0.0005).
-    assert float(rows[0][-1]) == 1.0
-    first, second = float(rows[0][4]), float(rows[1][4])
-    slack = 0.0005 + first / second * (0.05 / first + 0.05 / second)
-    assert abs(float(rows[1][-1]) - first / second) <= slack, rows
-    # One device: the decode step's products alone, and the best ratio they leave (≤ the limit).
-    assert all(float(row[7]) > 0 and 0 < float(row[8]) for row in rows)
-    # With both programs timed, the line saying which auto's rule runs here and which was faster.
-    (advice,) = [line for line in done.stdout.splitlines() if "auto's rule" in line]
-    assert "on 1 cpu device(s): per_layer; faster here: " in advice, advice
-    ratio = float(rows[1][-1])   # stacked's seconds over per_layer's, to 3 digits
-    if ratio != 1.0:
-        assert f"faster here: {'stacked' if ratio < 1 else 'per_layer'} " in advice, advice
     bad = subprocess.run([sys.executable, "-m", "launch.sampler_bench", "--config", "configs/tiny.py",
                           "--decode_weights", "unrolled"], cwd=root, capture_output=True, text=True,
                          timeout=600)
