@@ -61,6 +61,23 @@ def test_the_slot_engine_draws_the_static_engines_tokens(engines, draw):
         assert (per_group.max(axis=1) - per_group.min(axis=1)).max() >= STEPS // 2, per_group
 
 
+def test_rows_forced_to_their_lengths_end_there_in_both_engines(engines):
+    """`Sampler.generate`'s ``lengths``: a row draws at most its length (a benchmark's schedule),
+    ends unfinished there unless it drew EOS first, and both engines draw the same tokens."""
+    params, tokens, mask, static, slots = engines
+    key = jax.random.key(3)
+    lengths = np.array([1, 40, 3, 17] * GROUP, np.int32)
+    free = static.generate(params, tokens, mask, key)
+    want = static.generate(params, tokens, mask, key, lengths=lengths)
+    got = slots.generate(params, tokens, mask, key, lengths=lengths)
+    _same_completions(want, got)
+    free_lengths = np.asarray(free.mask).sum(axis=1)
+    np.testing.assert_array_equal(np.asarray(want.mask).sum(axis=1), np.minimum(free_lengths, lengths))
+    np.testing.assert_array_equal(want.finished, np.asarray(free.finished) & (free_lengths <= lengths))
+    assert slots.prefilled_rows(len(lengths)) == len(lengths) // GROUP
+    assert static.prefilled_rows(len(lengths)) == len(lengths)
+
+
 def test_the_slot_engine_runs_fewer_row_steps_than_a_static_batch(engines):
     """The work a row's slot ran: its kept draws and the idle steps until a boundary freed it;
     never less than its length, and in all fewer than the static batch's rows × longest row."""
