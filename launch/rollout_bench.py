@@ -1,7 +1,7 @@
 """A whole rollout on a completion-length schedule: the static engine against the slot engine.
 
     python -m launch.rollout_bench [--prompts 4] [--samples 4] [--prompt_length 64] \
-        [--completion_length 256] [--schedule lognormal:32] [--slots 16] [--repeats 3] \
+        [--completion_length 256] [--schedule lognormal:32] [--slots 16,8] [--repeats 3] \
         [--config.model.source=...]
 
 Both engines of `rl.sampler.Sampler` sample the same rollout batch (``prompts`` random prompts
@@ -9,7 +9,8 @@ Both engines of `rl.sampler.Sampler` sample the same rollout batch (``prompts`` 
 model, in one process, each row forced to end at its length from ``--schedule`` (`launch.cost`'s
 schedules: ``lognormal:M`` or a file of lengths; `Sampler.generate`'s ``lengths``), with an
 end-of-sequence id no row can draw. Calls alternate engine by engine, round by round, so that
-background load hits both alike; the table gives each engine's median seconds, the row-steps its
+background load hits all alike (one slot engine per ``--slots`` count); the table gives each
+engine's median seconds, the row-steps its
 decode executed (`SampleOutput.token_steps`), the kept tokens over them (efficiency) and its
 seconds over the static engine's. The tokens of the two are compared (they must be equal: the
 draw is keyed by row and position, `rl/sampler/draw.py`).
@@ -31,7 +32,8 @@ _COMPLETION = flags.DEFINE_integer("completion_length", 256, "The completion win
 _SCHEDULE = flags.DEFINE_string("schedule", "lognormal:32",
                                 "Completion lengths: lognormal:M (median M, σ 1) or a file of "
                                 "one length per row.")
-_SLOTS = flags.DEFINE_integer("slots", 0, "The slot engine's decode slots; 0: every row.")
+_SLOTS = flags.DEFINE_list("slots", ["0"], "The slot engines' decode slots, one engine per count; "
+                           "0: every row.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed calls per engine, after one warm-up.")
 
 
@@ -41,9 +43,13 @@ def main(argv):
         sys.exit("error: --prompts, --samples, --prompt_length, --completion_length and "
                  "--repeats must be ≥ 1")
     rows = _PROMPTS.value * _SAMPLES.value
-    slots = _SLOTS.value or rows
-    if slots % _SAMPLES.value:
-        sys.exit(f"error: --slots {slots} must be a multiple of --samples {_SAMPLES.value}")
+    try:
+        counts = [int(n) or rows for n in _SLOTS.value]
+    except ValueError:
+        sys.exit(f"error: --slots must be integers, got {_SLOTS.value}")
+    bad = [n for n in counts if n < 0 or n % _SAMPLES.value]
+    if bad:
+        sys.exit(f"error: --slots {bad}: each must be a positive multiple of --samples {_SAMPLES.value}")
     from launch import process
     process.setup(1)
     import jax
@@ -65,8 +71,9 @@ def main(argv):
     never = 2**30                                     # an id outside the vocabulary
     kw = dict(max_prompt_length=_PROMPT.value, max_completion_length=_COMPLETION.value,
               eos_ids=[never], pad_id=0, decode_weights="auto")
-    engines = {"static": Sampler(policy, **kw),
-               "slots": Sampler(policy, engine="slots", group_size=_SAMPLES.value, slots=slots, **kw)}
+    engines = {"static": Sampler(policy, **kw)}
+    engines.update({f"slots {n}": Sampler(policy, engine="slots", group_size=_SAMPLES.value,
+                                          slots=n, **kw) for n in dict.fromkeys(counts)})
     prompts = np.random.default_rng(0).integers(1, 1000, (_PROMPTS.value, _PROMPT.value), np.int32)
     tokens = np.repeat(prompts, _SAMPLES.value, axis=0)
     mask = np.ones_like(tokens, bool)
@@ -85,15 +92,15 @@ def main(argv):
           f"{config.model.source} ({config.model.dtype}); {_PROMPTS.value} prompts × "
           f"{_SAMPLES.value} samples, {_PROMPT.value} + {_COMPLETION.value} tokens; schedule "
           f"{schedule['spec']} (kept {int(lengths.sum())} tokens, longest {int(lengths.max())}); "
-          f"slot engine: {slots} slots; median of {_REPEATS.value} calls, engines alternated")
-    print(f"{'engine':>7} {'seconds':>8} {'row-steps':>9} {'efficiency':>10} {'time/static':>11}")
+          f"median of {_REPEATS.value} calls, engines alternated")
+    print(f"{'engine':>9} {'seconds':>8} {'row-steps':>9} {'efficiency':>10} {'time/static':>11}")
     for name, out in outputs.items():
         steps = int(np.asarray(out.token_steps).sum())
         kept = int(np.asarray(out.mask).sum())
-        print(f"{name:>7} {seconds[name]:>8.2f} {steps:>9} {kept / steps:>10.3f} "
+        print(f"{name:>9} {seconds[name]:>8.2f} {steps:>9} {kept / steps:>10.3f} "
               f"{seconds[name] / seconds['static']:>11.3f}")
     same = all(np.array_equal(outputs["static"].tokens, out.tokens) for out in outputs.values())
-    print(f"same tokens from both engines: {'yes' if same else 'NO'}")
+    print(f"same tokens from every engine: {'yes' if same else 'NO'}")
     if not same:
         sys.exit(1)
 

@@ -21,7 +21,9 @@ group's prompt keys once for all its rows: the queries of a group's members (``m
 [Q, G], slot ids, S for an empty place) are gathered into one [Q, KV, G·H/KV, d] block and
 multiplied by that group's K_p as one batched product. The completion part reads only the
 columns a live row can see: blocks of ``BLOCK`` columns up to the longest live row's column
-(``bound``), in a loop whose trip count is that bound, merged block by block the same way. A slot
+(``bound``), in a loop whose trip count is that bound, merged block by block the same way (on
+XLA:CPU and a TPU; XLA:GPU reads a loop's trip condition on the host, one stall per layer and
+step, so there every block is read and masked: a bound per row belongs in a kernel). A slot
 reads its own columns ≤ its own (``column``), so a slot refilled by another row never sees the
 columns its previous row wrote beyond the new row's length.
 """
@@ -140,7 +142,13 @@ def segmented_attention(q: jax.Array, k: jax.Array, v: jax.Array, segments: Segm
         visible = (columns[None, :] <= segments.column[:, None])[:, None, None, :]
         return _merge(state, _part(scores, visible, values, "skhc,skcd->skhd"))
 
-    blocks = (segments.bound + BLOCK - 1) // BLOCK
-    m, l, a = jax.lax.fori_loop(0, blocks, block, state)
+    def bounded(state):   # the blocks up to the live bound, a loop of a dynamic trip count
+        return jax.lax.fori_loop(0, (segments.bound + BLOCK - 1) // BLOCK, block, state)
+
+    def whole(state):     # every block, masked: XLA:GPU tests a loop's condition on the host
+        capacity = segments.completion_k.shape[3]
+        return jax.lax.fori_loop(0, capacity // BLOCK, block, state, unroll=True)
+
+    m, l, a = jax.lax.platform_dependent(state, default=bounded, cuda=whole, rocm=whole)
     out = a / jnp.where(l > 0, l, 1.0)[..., None]
     return out.reshape(num_slots, num_heads, head_dim).astype(v.dtype), segments

@@ -80,7 +80,7 @@ class Sampler:
         and held once, rows flowing through ``slots`` decode slots refilled as rows end, the
         attention bounded by the live length). ``group_size`` (rl.num_generations): adjacent
         rows sharing a prompt; ``slots``: decode slots (0: the whole batch); ``prompt_slots``:
-        groups held at once (0: twice the groups the slots hold).
+        groups held at once (0: twice the groups the slots hold, at most the batch's groups).
       rows_per_pass: 0 (default) generates the whole batch in one pass. n > 0 generates it n rows at
         a time, one pass after the other inside the same program, so the KV cache and the decode's
         activations hold n rows (``rl.rollout_micro_batch``; what lets a 70B rollout batch of 128
@@ -245,7 +245,7 @@ class Sampler:
             return generate_in_slots(
                 model, self.policy.probes(params), prompt_tokens, prompt_mask, rng, temperature,
                 group_size=self.group_size, slots=slots,
-                prompt_slots=self.prompt_slots or 2 * slots // self.group_size,
+                prompt_slots=self.prompt_slots or min(batch, 2 * slots) // self.group_size,
                 max_completion_length=self.max_completion_length, eos_ids=self.eos_ids,
                 pad_id=self.pad_id, top_k=top_k, top_p=top_p, greedy=greedy, limits=limits,
                 layers=model.unstacked_layers())
