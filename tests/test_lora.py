@@ -78,6 +78,12 @@ def test_merged_weights_equal_base_plus_adapters_in_the_model_and_the_sampler(se
     np.testing.assert_array_equal(a.tokens, b.tokens)
     np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
     assert not np.array_equal(np.asarray(a.logprobs), np.asarray(base.logprobs))
+    # The slot engine applies the adapters in its decode step too: the static engine's tokens.
+    slots = Sampler(policy, max_prompt_length=6, max_completion_length=5, eos_ids=[1], pad_id=0,
+                    engine="slots", group_size=1, slots=2)
+    c = slots.generate(lora, prompt, mask, jax.random.PRNGKey(0), greedy=True)
+    np.testing.assert_array_equal(c.tokens, a.tokens)
+    np.testing.assert_allclose(c.logprobs, a.logprobs, atol=1e-5, rtol=0)
 
 
 def test_merge_leaves_non_targets_alone(setup):
