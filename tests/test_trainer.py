@@ -90,7 +90,15 @@ def test_the_safeguard_backs_off_a_step_the_prediction_undershot_inside_the_loop
     budget = row["logra/effective_budget"]
     assert row["logra/checked_kl"] > 3 * budget and row["logra/backoff"] < 0.6, row
     _assert_the_safeguard_measured_each_step([row])
-    np.testing.assert_allclose(row["logra/realized_kl"], budget, rtol=0.05)
+    # s = √(B / K): the step that would land on the budget B if the KL were quadratic in the step
+    # (float32 arithmetic: a few ulps).
+    np.testing.assert_allclose(row["logra/backoff"], np.sqrt(budget / row["logra/checked_kl"]),
+                               rtol=1e-6)
+    # The applied step's KL is the budget up to the KL's departure from quadratic over the step,
+    # a third-order term, not a rounding error: far below the candidate's, and near the budget
+    # (0.95–1.14 of it over the rollouts this test has drawn; a quarter allowed).
+    assert row["logra/realized_kl"] < 0.5 * row["logra/checked_kl"], row
+    np.testing.assert_allclose(row["logra/realized_kl"], budget, rtol=0.25)
 
 
 def test_the_tiny_config_moves_its_weights_every_step(shipped_tiny_parts, tmp_path):
