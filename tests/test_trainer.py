@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from configs import tiny
-from logra_jax import config as config_lib, metrics
+from logra_jax import checkpoint as checkpoint_lib, config as config_lib, metrics
 from logra_jax.optim import PredictedKLState, logra_metrics
 from logra_jax.rl import algorithms, assembly, build
 from logra_jax.rl import trainer as trainer_lib
@@ -281,7 +281,7 @@ def test_reference_is_kept_only_for_a_kl_penalty_and_in_the_compute_dtype(parts_
 
 def _finite_checkpoints(run, workdir) -> list[int]:
     """The steps checkpointed in ``workdir``, after asserting that each holds finite weights."""
-    saved = trainer_lib.checkpoint_lib.Checkpointer(workdir / "checkpoints")
+    saved = checkpoint_lib.Checkpointer(workdir / "checkpoints")
     params0, _ = run.parts.init_state()
     steps = saved.all_steps()
     for step in steps:
@@ -340,7 +340,7 @@ def test_nonfinite_updates_are_skipped_and_never_reach_a_checkpoint(name, parts_
     skipped = "logra/skipped" if name.startswith("logra") else "skipped"
     assert [bool(r[skipped]) for r in rows] == [False, False, True, True]
     assert _finite_checkpoints(run, tmp_path) == [2, 3]
-    saved = trainer_lib.checkpoint_lib.Checkpointer(tmp_path / "checkpoints")
+    saved = checkpoint_lib.Checkpointer(tmp_path / "checkpoints")
     params0, _ = run.parts.init_state()
     two, three = (_flat(saved.restore_params(step, params0)) for step in (2, 3))
     saved.close()

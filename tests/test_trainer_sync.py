@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from logra_jax import metrics
+from logra_jax import checkpoint as checkpoint_lib, metrics
 from logra_jax.rl import assembly
 from logra_jax.rl import trainer as trainer_lib
 from tiny_config import flat_params as _flat, make_config
@@ -100,7 +100,7 @@ def test_bf16_weights_train_and_sync_bit_exact(bf16_straight):
     engine = _flat(straight.engine.params)
     for path in end:
         np.testing.assert_array_equal(engine[path], end[path].astype(engine[path].dtype), err_msg=path)
-    saved = trainer_lib.checkpoint_lib.Checkpointer(straight.workdir / "checkpoints")
+    saved = checkpoint_lib.Checkpointer(straight.workdir / "checkpoints")
     restored = _flat(saved.restore_params(2, parts.init_state()[0]))
     saved.close()
     assert {restored[p].dtype for p in restored if is_target(p)} == {jnp.dtype(jnp.bfloat16)}

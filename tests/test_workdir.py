@@ -21,6 +21,7 @@ from launch import train as train_cli
 from logra_jax import metrics
 from logra_jax.rl import build
 from logra_jax.rl import trainer as trainer_lib
+from logra_jax.rl import run_dir as run_dir_lib
 from logra_jax.rl import workdir as workdir_lib
 from tiny_config import tiny_config
 
@@ -110,7 +111,7 @@ def test_a_live_run_holds_the_lock_until_it_is_closed(tmp_path, shipped_tiny_par
         refusals.append(str(e.value))
         raise Stop
 
-    monkeypatch.setattr(trainer_lib, "collect_rollouts", first_rollout)
+    monkeypatch.setattr(trainer_lib, "dispatch_rollouts", first_rollout)
     run = trainer_lib.Run(tiny_config(), tmp_path, parts=shipped_tiny_parts)
     try:
         gc.collect()   # a lock only the garbage holds would be released here
@@ -272,8 +273,8 @@ def test_a_resume_from_an_earlier_step_replaces_the_rows_it_repeats(tmp_path):
 
 def test_a_checkpoint_without_the_loops_meta_is_named(tmp_path):
     with pytest.raises(ValueError, match=r"checkpoint .*/checkpoints/2 has no step, baseline, data"):
-        trainer_lib._loop_meta({}, tmp_path / "checkpoints" / "2")
-    assert trainer_lib._loop_meta({"step": 2, "baseline": 0.5, "data": {"i": 1}},
+        run_dir_lib.loop_meta({}, tmp_path / "checkpoints" / "2")
+    assert run_dir_lib.loop_meta({"step": 2, "baseline": 0.5, "data": {"i": 1}},
                                   tmp_path) == (2, 0.5, {"i": 1})
 
 

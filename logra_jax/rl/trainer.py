@@ -3,7 +3,9 @@
 `Run(config, workdir)` is the job behind ``python -m launch.train`` (which adds its one-line
 errors and signal exits around it; `train` is the same without them, for code). It reads top to
 bottom like the loop it runs (big_vision style): assemble the run's parts from the config
-(rl/assembly.py), resume if the workdir holds a checkpoint, then per step
+(rl/assembly.py), resume if the workdir holds a checkpoint (the workdir's side of a run — lock,
+history, checkpoints, config.json, metrics writer, the decode program's record — is
+rl/run_dir.py's `RunDir`), then per step
 
   1. take prompts from the data iterator and sample completions with the rollout engine,
   2. grade them (1 for the right final answer) and turn rewards into advantages (the algorithm's:
@@ -21,7 +23,6 @@ and decodes and grades the new rollout in between (host work beside the devices'
 from __future__ import annotations
 
 import contextlib
-import os
 import pathlib
 import signal
 import time
@@ -32,18 +33,14 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from logra_jax import checkpoint as checkpoint_lib
-from logra_jax import config as config_lib
 from logra_jax import distributed, host_arrays
-from logra_jax import metrics as metrics_lib
 from logra_jax.rl import assembly, build, stopping
 from logra_jax.rl import pipeline as pipeline_lib
-from logra_jax.rl import workdir as workdir_lib
+from logra_jax.rl import run_dir as run_dir_lib
 from logra_jax.rl.assembly import RunParts
 from logra_jax.rl.rollout import (RewardError, Rollouts, dispatch_rollouts, finish_rollouts,
                                   fit_prompt_window, work_metrics)
 from logra_jax.rl.update import TrainBatch
-from logra_jax.tree_paths import nonfinite_leaves
 
 
 class Preempted(Exception):
@@ -82,47 +79,12 @@ def step_row(t: RunParts, step: int, update_metrics, r: np.ndarray, ro: Rollouts
     return row
 
 
-# What `Run._steps` saves beside the arrays: the step, REINFORCE's running baseline, the data
-# position; and the fingerprint of the config that trained it (`config.fingerprint`), which a
-# resume is checked against (checkpoints written before it was added have none).
-LOOP_META = ("step", "baseline", "data")
-CONFIG_META = "config"
-
-
-def _loop_meta(meta: dict, where: pathlib.Path) -> tuple[int, float, Any]:
-    """(step, baseline, data state) of a checkpoint's meta; ValueError naming the checkpoint when
-    any is missing (a checkpoint this loop did not write, or one edited by hand)."""
-    missing = [key for key in LOOP_META if key not in meta]
-    if missing:
-        raise ValueError(f"checkpoint {where} has no {', '.join(missing)} in its meta (written by "
-                         f"something other than this trainer, or edited); move it out of "
-                         f"{where.parent} to resume from an earlier one")
-    return meta["step"], meta["baseline"], meta["data"]
-
-
-def _check_finite(params, opt_state, where: pathlib.Path) -> None:
-    """A restored state holds finite numbers only: a NaN carried into a resumed run diverged it
-    three steps later, blamed on the learning rate, and was saved into another checkpoint."""
-    bad = [f"params/{p}" for p in nonfinite_leaves(params)] + [
-        f"opt_state/{p}" for p in nonfinite_leaves(opt_state)]
-    if bad:
-        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
-        raise ValueError(f"checkpoint {where} holds NaN or infinite values in {bad[0]}{more}; "
-                         f"nothing was written: move it aside to resume from an earlier "
-                         f"checkpoint, or pass --fresh to set this run aside and start over")
-
-
-def _shared_config(config: ml_collections.ConfigDict) -> dict:
-    """The config every process of a run must share: all of it but the process's own id."""
-    flat = config_lib.flatten(config_lib.as_json(config))
-    flat.pop("distributed.process_id", None)
-    return flat
-
-
 class Run:
     """One training run in a workdir: everything built (errors in the config surface here), then
     `loop()` trains to ``max_steps``, resuming from the latest complete checkpoint; `close()` ends
-    it. From construction to `close()` the run holds the workdir's lock (logra_jax/rl/workdir.py).
+    it. The workdir's side of the run (its lock from construction to `close()`, its history,
+    checkpoints, config.json, metrics writer, and the record of the decode program) is its
+    `RunDir` (logra_jax/rl/run_dir.py); this class builds the run's parts and drives the loop.
 
     ``fresh``: start over in a workdir that holds an earlier run, which is moved into
     ``previous-<time>/`` once everything else is built (a run that fails to build moves nothing);
@@ -144,15 +106,8 @@ class Run:
                  parts: RunParts | None = None, fresh: bool = False,
                  recipe: assembly.Recipe | None = None):
         self.config = config
-        self._fingerprint = config_lib.fingerprint(config)   # recorded in every checkpoint
-        self._lock = self.ckpt = None
-        self._created_root = None   # the outermost folder of the workdir's path this run created
-        self._present: set[str] | None = None   # the history entries there before this run
-        self._trained = False       # a step of this run reached metrics.jsonl
-        self._restored = False      # the run continues a checkpoint
-        self._decode_mode: str | None = None    # the sampler's resolved decode program
+        self.run_dir: run_dir_lib.RunDir | None = None
         self.queue: pipeline_lib.RolloutQueue | None = None   # rollouts sampled ahead (max_lag ≥ 1)
-        self._config_recorded = False
         self.summary: str | None = None   # `loop`'s one line of what it trained (process 0)
         # What can be checked in a moment is checked before the model is built, and before
         # anything in the workdir is written.
@@ -160,16 +115,10 @@ class Run:
             recipe = assembly.prepare(config)
         if parts is None:   # given parts were built from a config that passed the shape checks
             recipe.check_shapes()
-        self._created_root = workdir_lib.missing_root(workdir)
-        self.workdir = workdir_lib.prepare(workdir)
+        # Creates the workdir, agrees with the other processes, takes the lock.
+        self.run_dir = run_dir_lib.RunDir(config, workdir)
+        self.workdir = self.run_dir.path
         try:
-            # Every process the same config and workdir, before anything is written there.
-            self._agree("the start of the run", config=_shared_config(config),
-                        workdir=str(self.workdir.resolve()),
-                        checkpoints=workdir_lib.checkpoint_steps(self.workdir))
-            if distributed.is_primary():   # one lock per run, not per process
-                self._lock = workdir_lib.WorkdirLock(self.workdir)
-                self._lock.acquire()
             source = build.build_prompt_source(config.data)   # the data files: bad input first
             # Every prompt fits the prompt window, checked with the tokenizer alone where it
             # comes without the weights (a refusal in a moment, not after the model is built).
@@ -177,64 +126,23 @@ class Run:
             if early is not None:
                 source = fit_prompt_window(source, early, build.build_rollout_spec(config),
                                            skip_long=config.data.skip_long_prompts)
-            self._open_history(fresh)
+            self.run_dir.open_history(fresh)
             # The parts hold compiled functions; runs of one config (e.g. a resumed run) may share them.
             self.parts = parts if parts is not None else recipe.build()
             self.data = build.build_data(config.data, config.seed, source=source,
                                          tokenizer=self.parts.tokenizer,
                                          rollout_spec=None if early else self.parts.rollout_spec)
             if fresh:   # everything that could fail has been built: now the earlier run moves
-                self._set_aside()
-            self._present = workdir_lib.present(self.workdir)
-            if self.ckpt is None:
-                self.ckpt = self._checkpointer()
+                self.run_dir.set_aside()
+            self.run_dir.ready()
         except BaseException:
             self.close()
             raise
 
-    def _agree(self, what: str, **facts) -> None:
-        """Every process of a multi-process run holds the same ``facts``, or each stops with one
-        line naming the difference (`distributed.agree`)."""
-        distributed.agree(what, facts, self.config.distributed.initialization_timeout)
-
-    def _open_history(self, fresh: bool) -> None:
-        """Refuses a run that cannot continue the workdir's history; ``fresh`` checks instead that
-        the history can be moved aside whole (the move itself waits until the run is built); the
-        checkpointer of the checkpoints it holds, if any."""
-        if fresh:
-            if distributed.is_primary():
-                workdir_lib.check_set_aside(self.workdir)
-            self._history = None
-            return
-        self._history = workdir_lib.History(self.workdir)
-        if (self.workdir / workdir_lib.CHECKPOINTS).exists():
-            self.ckpt = self._checkpointer()
-        self._history.check_continues(self.config, self._recorded_configs())
-
-    def _set_aside(self) -> None:
-        if distributed.is_primary():
-            aside = workdir_lib.set_aside(self.workdir)
-            if aside is not None:
-                logging.info("--fresh: the earlier run of %s is now in %s", self.workdir, aside)
-        distributed.barrier("workdir history set aside")
-
-    def _recorded_configs(self) -> dict[int, dict | None]:
-        """{step: the config fingerprint checkpoint ``step`` records (None: none)} of every
-        checkpoint whose meta can be read; a damaged one is `_start`'s to set aside."""
-        recorded = {}
-        for step in self.ckpt.all_steps() if self.ckpt else []:
-            try:
-                meta = self.ckpt.read_meta(step)
-            except Exception:  # noqa: BLE001  orbax raises many kinds for a damaged folder
-                continue
-            recorded[step] = meta.get(CONFIG_META)
-        return recorded
-
-    def _checkpointer(self) -> checkpoint_lib.Checkpointer:
-        """The checkpoints' folder is created by the first save: a run that ends before it leaves
-        none."""
-        return checkpoint_lib.Checkpointer(self.workdir / workdir_lib.CHECKPOINTS,
-                                           keep=self.config.checkpoint.keep)
+    @property
+    def ckpt(self):
+        """The run's checkpointer (`RunDir`'s); None once closed."""
+        return self.run_dir.ckpt
 
     def _start(self):
         """(params, opt_state, step, baseline): the newest intact checkpoint, else the start. The
@@ -243,93 +151,30 @@ class Run:
         params, opt_state = self.parts.init_state()
         lag = self.config.rl.max_lag
         self.queue = pipeline_lib.RolloutQueue(lag) if lag else None
-        queue_meta = self._queue_meta() if lag else None
+        queue_meta = self.run_dir.queue_meta() if lag else None
         state = (params, opt_state)
         if queue_meta is not None:
             state += (pipeline_lib.RolloutQueue.target(queue_meta, self.parts.batch_sharding),)
-        latest = self.ckpt.restore_latest(state)
-        if latest is None:
+        restored = self.run_dir.restore(state)
+        if restored is None:
             return params, opt_state, 0, 0.0
-        saved, (params, opt_state, *queued), meta = latest
-        self._restored = True
-        where = self.ckpt.directory / str(saved)
-        _check_finite(params, opt_state, where)
-        step, baseline, data_state = _loop_meta(meta, where)
-        # History checked every readable checkpoint; this is the one restored, read whole.
-        workdir_lib.check_checkpoint_config(meta.get(CONFIG_META), where, self.config)
-        self.data.restore(data_state)
+        params, opt_state, *queued = restored.state
+        self.data.restore(restored.data_state)
         if self.queue is not None:
-            self.queue.restore(queued[0], meta[pipeline_lib.QUEUE_META], self.parts.batch_sharding,
-                               self.parts.tokenizer, self.parts.sampler.eos_ids)
-        self._keep_decode_mode(config_lib.recorded_decode_mode(meta.get(CONFIG_META))
-                               or config_lib.recorded_decode_mode(self._history and
-                                                                  self._history.config))
-        logging.info("resumed from %s at step %d", self.ckpt.directory, step)
-        # A resume keeps the config.json it started with (History checked that only keys a resume
-        # may change differ); one whose config.json was lost writes it again, from this config.
-        self._config_recorded = (self.workdir / workdir_lib.CONFIG).exists()
-        self._record_config()
-        return params, opt_state, step, baseline
-
-    def _queue_meta(self) -> dict | None:
-        """What the newest checkpoint whose meta reads records of its queued rollouts (their
-        shapes are a resume's restore target; every checkpoint of a run has the same); None
-        without a checkpoint. The fingerprint (checked before) holds ``rl.max_lag``: a checkpoint
-        of a run with another lag was refused by name already."""
-        for step in sorted(self.ckpt.all_steps() if self.ckpt else [], reverse=True):
-            try:
-                meta = self.ckpt.read_meta(step)
-            except Exception:  # noqa: BLE001  a damaged one is restore_latest's to set aside
-                continue
-            if pipeline_lib.QUEUE_META not in meta:
-                raise ValueError(f"checkpoint {self.ckpt.directory / str(step)} holds no queued "
-                                 f"rollouts, which rl.max_lag={self.config.rl.max_lag} needs "
-                                 f"(written by a run without a lag)")
-            return meta[pipeline_lib.QUEUE_META]
-        return None
-
-    def _keep_decode_mode(self, recorded: str | None) -> None:
-        """A resumed run samples with the decode program its first process picked (``recorded``),
-        without timing the two again, when ``rl.decode_weights`` is "auto"; a fixed mode that
-        differs is the user's choice, said once."""
-        if recorded is None:
-            return
-        asked = self.config.rl.decode_weights
-        if asked == "auto":
-            self.parts.sampler.preset_decode_mode(recorded)
-            self._decode_mode = recorded
-            self._fingerprint[config_lib.DECODE_KEY] = recorded
-        elif asked != recorded:
-            logging.warning("rl.decode_weights=%s, but this run's earlier steps sampled with %s: "
-                            "the two programs round differently, so the resumed steps will not be "
-                            "the bits an uninterrupted run computes", asked, recorded)
-
-    def _note_decode_mode(self) -> None:
-        """After a rollout: the decode program the sampler ran, recorded once (a fresh run's
-        "auto" resolves at its first rollout)."""
-        if self._decode_mode is not None:
-            return
-        self._decode_mode = getattr(self.parts.sampler, "last_decode_mode", None)
-        if self._decode_mode is not None:
-            self._fingerprint[config_lib.DECODE_KEY] = self._decode_mode
-
-    def _record_config(self) -> None:
-        """Writes config.json (process 0) unless the workdir holds this run's already: the config,
-        with ``rl.decode_weights`` as the sampler resolved it."""
-        if self._config_recorded or not distributed.is_primary():
-            return
-        recorded = config_lib.as_json(self.config)
-        if self._decode_mode is not None:
-            recorded["rl"]["decode_weights"] = self._decode_mode
-        workdir_lib.write_config(self.workdir, recorded)
-        self._config_recorded = True
+            self.queue.restore(queued[0], restored.meta[pipeline_lib.QUEUE_META],
+                               self.parts.batch_sharding, self.parts.tokenizer,
+                               self.parts.sampler.eos_ids)
+        self.run_dir.keep_decode_mode(restored.meta, self.parts.sampler)
+        logging.info("resumed from %s at step %d", self.ckpt.directory, restored.step)
+        self.run_dir.resumed()
+        return params, opt_state, restored.step, restored.baseline
 
     def loop(self) -> dict[str, Any]:
         """Trains to ``max_steps``; returns the last step's metrics row. On SIGTERM / SIGINT it
         finishes the step in progress, saves a checkpoint and raises `Preempted`."""
         config, t = self.config, self.parts
         params, opt_state, step, baseline = self._start()
-        self._agree("the first step", step=step, data=self.data.state())
+        self.run_dir.agree("the first step", step=step, data=self.data.state())
         self.summary = None
         if step >= config.max_steps:
             logging.warning("max_steps=%d is already reached: %s holds step %d; nothing to train "
@@ -338,11 +183,7 @@ class Run:
             return {}
         # factors/sparse messages are deltas from these weights: a resume builds a fresh source.
         rollouts = t.rollout_source(params)
-        writer = metrics_lib.MetricsWriter(self.workdir, total_steps=config.max_steps, start_step=step,
-                                           tensorboard=config.log.tensorboard,
-                                           progress=config.log.progress,
-                                           files=distributed.is_primary(),
-                                           kl_measured=t.reference_params is not None)
+        writer = self.run_dir.metrics_writer(step, kl_measured=t.reference_params is not None)
         base_rng = jax.random.PRNGKey(config.seed)
         if config.rl.max_lag and not config.sync.rollout_devices:
             logging.info("rl.max_lag=%d with sync.rollout_devices=0: the sampler shares the "
@@ -354,12 +195,12 @@ class Run:
                     stop, step, params, opt_state, baseline, rollouts, writer, base_rng)
         except RewardError as e:   # the step in progress: the last written one's next
             writer.close()
-            self._forget_steps_without_checkpoint()
+            self.run_dir.forget_steps_without_checkpoint()
             failed = (writer.rows[-1]["step"] if writer.rows else writer.start_step) + 1
             raise RewardError(f"step {failed}: {e}") from e.__cause__
         except BaseException:
             writer.close()
-            self._forget_steps_without_checkpoint()
+            self.run_dir.forget_steps_without_checkpoint()
             raise
         finally:
             writer.close()
@@ -439,10 +280,10 @@ class Run:
                 probe = jax.tree.map(lambda x: x[:config.optimizer.probe_size], ro.seqs)
                 update_metrics.update(rollouts.after_update(params, compact[0] if compact else None,
                                                             probe))
-            self._note_decode_mode()
-            self._record_config()   # a fresh run's config.json: with the decode program it ran
+            self.run_dir.note_decode_mode(t.sampler)
+            self.run_dir.record_config()   # a fresh run's config.json: with the decode program it ran
             last = writer.write(step, step_row(t, step, update_metrics, r, ro, opt_state, times))
-            self._trained = True
+            self.run_dir.trained = True
             if config.log.sample_every and step % config.log.sample_every == 0:
                 logging.info("step %d sample: %r → reward %.2f", step, ro.texts[0], r[ro.rows.start])
             skipped_in_a_row = self._check_divergence(step, last, params, skipped_in_a_row)
@@ -479,33 +320,11 @@ class Run:
     def _save(self, step: int, params, opt_state, baseline) -> None:
         """Checkpoint ``step``: the weights, the optimizer, the loop's meta and, with a lag, the
         queued rollouts (rl/pipeline.py)."""
-        meta = {**dict(zip(LOOP_META, (step, baseline, self.data.state()))),
-                CONFIG_META: self._fingerprint}
-        state = (params, opt_state)
+        state, queued = (params, opt_state), {}
         if self.queue is not None:
             state += (self.queue.arrays(self.parts.batch_sharding),)
-            meta[pipeline_lib.QUEUE_META] = self.queue.meta()
-        self.ckpt.save(step, state, meta)
-
-    def _forget_steps_without_checkpoint(self) -> None:
-        """After a failed step, when no checkpoint holds any of this run's steps (a fresh run
-        that failed before its first save): its metrics rows describe weights that are gone, and
-        rows without a checkpoint make the workdir refuse the same command. They are dropped, so
-        `close` takes back what the run created (config.json, tensorboard/) and the workdir is as
-        the run found it; the same command then starts again. With a checkpoint the workdir
-        already resumes (a resume replaces the rows after it) and the rows stay, a diverged
-        step's included, for the record."""
-        if self._restored or not distributed.is_primary() or self.ckpt is None:
-            return
-        if self.ckpt.latest_step() is not None:
-            return
-        path = self.workdir / workdir_lib.METRICS
-        if path.exists() and not path.is_symlink() and path.stat().st_size:
-            with stopping.critical():
-                tmp = path.with_name(f".{path.name}.tmp")
-                tmp.write_text("", encoding="utf-8")
-                os.replace(tmp, path)
-        self._trained = False
+            queued[pipeline_lib.QUEUE_META] = self.queue.meta()
+        self.run_dir.save(step, state, baseline, self.data.state(), queued)
 
     def _check_divergence(self, step: int, row: dict, params, skipped_in_a_row: int) -> int:
         """Counts updates dropped as non-finite (the weights stayed as they were) and stops the run
@@ -540,21 +359,9 @@ class Run:
         return skipped_in_a_row
 
     def close(self) -> None:
-        """Closes the checkpointer and releases the workdir (idempotent). A run that trained no
-        step takes back what it created there: the workdir is as it found it."""
-        if getattr(self, "ckpt", None) is not None:
-            self.ckpt.close()
-            self.ckpt = None
-        unused = not self._trained and not self._restored
-        if unused and distributed.is_primary() and self._present is not None:
-            workdir_lib.remove_unused(self.workdir, self._present)
-        if self._lock is not None:
-            self._lock.release()
-            self._lock = None
-        # Every process takes back the folders it created while they are empty (a process given
-        # another --workdir created its own).
-        if unused and getattr(self, "workdir", None) is not None:
-            workdir_lib.remove_created(self.workdir, self._created_root)
+        """Closes the checkpointer and releases the workdir (idempotent): `RunDir.close`."""
+        if self.run_dir is not None:
+            self.run_dir.close()
 
 
 def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,

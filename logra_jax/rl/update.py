@@ -12,6 +12,7 @@ first ``probe_size`` rows); after the merge the same rows give the realized KL(�
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -71,6 +72,22 @@ class CompactUpdate:
 
 def _tree_add(a, b):
     return jax.tree.map(jnp.add, a, b)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Gradient:
+    """One gradient mode of the update (dense, LoRA's adapters, or LoGRA's sketches): what is
+    differentiated (``wrt``, one dict), the objective of one micro-batch as a function of it, and
+    how the mean gradient becomes the params-shaped tree ``tx.update`` takes. ``targets``,
+    ``others`` and ``probes``: LoGRA's split of the params and its probes (the KL control reads
+    them); None otherwise."""
+
+    wrt: dict
+    objective: Callable      # (wrt, micro-batch) → (loss, aux)
+    to_params: Callable      # mean gradient (wrt's tree) → the gradient tx.update takes
+    targets: Any = None
+    others: Any = None
+    probes: Any = None
 
 
 class PolicyUpdate:
@@ -175,6 +192,112 @@ class PolicyUpdate:
                    mismatch_sum=jnp.sum(gap * done), mismatch_count=jnp.sum(done))
         return loss, aux
 
+    # -- the gradient, one mode at a time -------------------------------------------------------
+    def _gradient(self, params, opt_state) -> _Gradient:
+        """The gradient mode of this update: LoGRA's sketches when it has a SketchSpec, else a
+        dense gradient of the adapters alone (LoRA, ``subtree``) or of every parameter."""
+        if self.sketch is not None:
+            return self._sketched_gradient(params, opt_state)
+        if self.subtree is not None:
+            return self._adapter_gradient(params)
+        return self._dense_gradient(params)
+
+    def _dense_gradient(self, params) -> _Gradient:
+        """Dense (AdamW and the other optax optimizers): the gradient of every parameter."""
+        def objective(wrt, mb):
+            return self._objective(wrt["params"], None, mb)
+        return _Gradient(wrt={"params": params}, objective=objective,
+                         to_params=lambda mean: mean["params"])
+
+    def _adapter_gradient(self, params) -> _Gradient:
+        """LoRA: the adapters' gradient only (``params[subtree]``); the frozen base is closed over,
+        never differentiated."""
+        def objective(wrt, mb):
+            return self._objective(dict(params, **{self.subtree: wrt["params"]}), None, mb)
+        return _Gradient(wrt={"params": params[self.subtree]}, objective=objective,
+                         to_params=lambda mean: mean["params"])
+
+    def _sketched_gradient(self, params, opt_state) -> _Gradient:
+        """LoGRA: the gradient of the probes' zero factors B (each one a target's sketch G·Aᵀ, laid
+        out like its factor) and, unless frozen, of the non-targets; params-shaped, it holds the
+        sketches at the targets and the dense (or zero, frozen) gradient elsewhere."""
+        targets, others = split_targets(params, self.sketch)
+        probes = make_probes(params, update_index(opt_state), self.sketch)
+        probes = {path: dataclasses.replace(probe, factor=jax.lax.with_sharding_constraint(
+                      probe.factor, self._sketch_shardings[path]))
+                  if path in self._sketch_shardings else probe for path, probe in probes.items()}
+        wrt = {"factors": probe_factors(probes)}
+        if self.train_others:
+            wrt["others"] = others
+
+        def objective(wrt, mb):
+            params_ = merge_targets(wrt.get("others", others), targets)
+            return self._objective(params_, with_factors(probes, wrt["factors"]), mb)
+
+        def to_params(mean):
+            return merge_targets(mean.get("others", jax.tree.map(jnp.zeros_like, others)),
+                                 mean["factors"])
+        return _Gradient(wrt=wrt, objective=objective, to_params=to_params,
+                         targets=targets, others=others, probes=probes)
+
+    def _keep_sketch_layout(self, tree):
+        """Accumulated sketches stay sharded like their factors (else XLA may gather them)."""
+        if "factors" not in tree:
+            return tree
+        factors_ = {path: jax.lax.with_sharding_constraint(f, self._sketch_shardings[path])
+                    if path in self._sketch_shardings else f for path, f in tree["factors"].items()}
+        return dict(tree, factors=factors_)
+
+    def _mean_gradient(self, gradient: _Gradient, micro: TrainBatch, n_micro: int):
+        """(the mean over the micro-batches of ``gradient``'s gradient, in the tree of its ``wrt``;
+        each micro-batch's objective aux, stacked): one scan, the sum held in ``wrt``'s shape."""
+        grad_fn = jax.grad(gradient.objective, has_aux=True)
+
+        def accumulate(total, mb):
+            grads, aux = grad_fn(gradient.wrt, mb)
+            return self._keep_sketch_layout(_tree_add(total, grads)), aux
+
+        zeros = self._keep_sketch_layout(jax.tree.map(jnp.zeros_like, gradient.wrt))
+        total, aux = jax.lax.scan(accumulate, zeros, micro)
+        return jax.tree.map(lambda g: g / n_micro, total), aux
+
+    def _kl_control(self, gradient: _Gradient, probe: TrainBatch, hidden_old, head_old, mismatch,
+                    mismatch_count) -> dict:
+        """``tx.update``'s KL-control inputs (LoGRA only): the predicted KL of a candidate update
+        (one JVP through the probes), the candidate's KL from the old weights' hidden states, and
+        this step's sampler-vs-trainer mismatch."""
+        targets, others, probes = gradient.targets, gradient.others, gradient.probes
+
+        def probe_logits(others_, factors_):
+            p = merge_targets(others_, targets)
+            return self.policy.completion_logits(p, probe.seqs, probes=with_factors(probes, factors_))
+
+        def probe_hidden(others_, factors_):  # the model at W + U·A, through the probes
+            p = merge_targets(others_, targets)
+            return (self.policy.hidden(p, probe.seqs, with_update_factors(probes, factors_)),
+                    self.policy.bind(p).head_kernel())
+        mask, frozen = probe.seqs.completion_mask, not self.train_others
+        return dict(
+            predict_kl=make_predict_kl(probe_logits, others, gradient.wrt["factors"], mask,
+                                       self.temperature, others_frozen=frozen),
+            candidate_kl=make_candidate_kl(probe_hidden, others, gradient.wrt["factors"],
+                                           hidden_old, head_old, mask, self.temperature,
+                                           others_frozen=frozen),
+            # NaN: no completed response this step, nothing observed (the EMA stays).
+            mismatch=jnp.where(mismatch_count > 0, mismatch, jnp.nan))
+
+    def _apply(self, params, opt_state, grads, extra: dict):
+        """(params, opt_state, updates, changed): the optimizer's step applied; ``changed``: of the
+        target entries, how many stored values changed (None for LoRA's adapters)."""
+        if self.subtree is not None:
+            trained = params[self.subtree]
+            updates, opt_state = self.tx.update(grads, opt_state, trained, **extra)
+            params = dict(params, **{self.subtree: optax.apply_updates(trained, updates)})
+            return params, opt_state, updates, None
+        updates, opt_state = self.tx.update(grads, opt_state, params, **extra)
+        params, changed = apply_updates_counting_changes(params, updates)
+        return params, opt_state, updates, changed
+
     # -- the jitted step --------------------------------------------------------------------------
     def _step_body(self, params, opt_state, batch: TrainBatch):
         n_micro = batch.size // self.micro_batch_size
@@ -188,54 +311,9 @@ class PolicyUpdate:
         # k of this update's A (a factors sync regenerates A from it), read before the step.
         k = update_index(opt_state) if self.return_updates else None
 
-        # What the gradient is taken of, as one dict: dense — {"params"}; LoGRA — the probes'
-        # zero factors B (their gradients are the sketches) and, unless frozen, the non-targets.
-        if self.sketch is None and self.subtree is not None:
-            # LoRA: the adapters' gradient only; the frozen base is closed over, never differentiated.
-            wrt = {"params": params[self.subtree]}
-
-            def objective(wrt, mb):
-                return self._objective(dict(params, **{self.subtree: wrt["params"]}), None, mb)
-        elif self.sketch is None:
-            wrt = {"params": params}
-
-            def objective(wrt, mb):
-                return self._objective(wrt["params"], None, mb)
-        else:
-            targets, others = split_targets(params, self.sketch)
-            probes = make_probes(params, update_index(opt_state), self.sketch)
-            probes = {path: dataclasses.replace(probe, factor=jax.lax.with_sharding_constraint(
-                          probe.factor, self._sketch_shardings[path]))
-                      if path in self._sketch_shardings else probe for path, probe in probes.items()}
-            wrt = {"factors": probe_factors(probes)}
-            if self.train_others:
-                wrt["others"] = others
-
-            def objective(wrt, mb):
-                params_ = merge_targets(wrt.get("others", others), targets)
-                return self._objective(params_, with_factors(probes, wrt["factors"]), mb)
-        grad_fn = jax.grad(objective, has_aux=True)
-
-        def keep_sketch_layout(tree):
-            """Accumulated sketches stay sharded like their factors (else XLA may gather them)."""
-            if "factors" not in tree:
-                return tree
-            factors_ = {path: jax.lax.with_sharding_constraint(f, self._sketch_shardings[path])
-                        if path in self._sketch_shardings else f for path, f in tree["factors"].items()}
-            return dict(tree, factors=factors_)
-
-        def accumulate(total, mb):
-            grads, aux = grad_fn(wrt, mb)
-            return keep_sketch_layout(_tree_add(total, grads)), aux
-
-        zeros = keep_sketch_layout(jax.tree.map(jnp.zeros_like, wrt))
-        total, aux = jax.lax.scan(accumulate, zeros, micro)
-        mean_grads = jax.tree.map(lambda g: g / n_micro, total)
-        if self.sketch is None:
-            grads = mean_grads["params"]
-        else:  # params-shaped: sketches at the targets, dense (or zero, frozen) elsewhere
-            grads = merge_targets(mean_grads.get("others", jax.tree.map(jnp.zeros_like, others)),
-                                  mean_grads["factors"])
+        gradient = self._gradient(params, opt_state)
+        mean_grads, aux = self._mean_gradient(gradient, micro, n_micro)
+        grads = gradient.to_params(mean_grads)
 
         mismatch_count = jnp.sum(aux.pop("mismatch_count"))
         mismatch = jnp.sum(aux.pop("mismatch_sum")) / jnp.maximum(mismatch_count, 1.0)
@@ -256,35 +334,11 @@ class PolicyUpdate:
         # free, a scheduler may place it after a merge and must then keep a copy of that weight
         # stack's old values (the TPU compiler does so for Qwen2.5-7B's down_proj: 1.77 GiB per chip).
         hidden_old, head_old, params = jax.lax.optimization_barrier((hidden_old, head_old, params))
-        extra = {}
-        if self.kl_control:
-            def probe_logits(others_, factors_):
-                p = merge_targets(others_, targets)
-                return self.policy.completion_logits(p, probe.seqs, probes=with_factors(probes, factors_))
-
-            def probe_hidden(others_, factors_):  # the model at W + U·A, through the probes
-                p = merge_targets(others_, targets)
-                return (self.policy.hidden(p, probe.seqs, with_update_factors(probes, factors_)),
-                        self.policy.bind(p).head_kernel())
-            mask, frozen = probe.seqs.completion_mask, not self.train_others
-            extra = dict(
-                predict_kl=make_predict_kl(probe_logits, others, wrt["factors"], mask,
-                                           self.temperature, others_frozen=frozen),
-                candidate_kl=make_candidate_kl(probe_hidden, others, wrt["factors"], hidden_old,
-                                               head_old, mask, self.temperature,
-                                               others_frozen=frozen),
-                # NaN: no completed response this step, nothing observed (the EMA stays).
-                mismatch=jnp.where(mismatch_count > 0, mismatch, jnp.nan))
+        extra = (self._kl_control(gradient, probe, hidden_old, head_old, mismatch, mismatch_count)
+                 if self.kl_control else {})
         # Named for profiles (logra_jax/perf/profiling.py): the optimizer's own time, merges included.
         with jax.named_scope("optimizer"):
-            if self.subtree is not None:
-                trained = params[self.subtree]
-                updates, opt_state = self.tx.update(grads, opt_state, trained, **extra)
-                params = dict(params, **{self.subtree: optax.apply_updates(trained, updates)})
-                changed = None
-            else:
-                updates, opt_state = self.tx.update(grads, opt_state, params, **extra)
-                params, changed = apply_updates_counting_changes(params, updates)
+            params, opt_state, updates, changed = self._apply(params, opt_state, grads, extra)
         if any(isinstance(u, LowRankUpdate) for _, u in leaves_with_paths(updates)):
             # Of the target entries, how many stored values this update changed: with bf16 weights
             # and round-to-nearest, what did not change is the part of the update that was lost.

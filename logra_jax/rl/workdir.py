@@ -16,6 +16,8 @@ A workdir holds ``checkpoints/`` (orbax), ``config.json`` (the config the run st
   deleted; `set_aside` moves every entry or none);
 - `remove_unused` takes back what a run created and left empty (a run stopped or refused before its
   first step leaves the workdir as it found it).
+
+A run's use of these, from the lock to its close, is rl/run_dir.py's `RunDir`.
 """
 
 from __future__ import annotations
