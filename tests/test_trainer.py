@@ -59,13 +59,15 @@ def _assert_the_safeguard_measured_each_step(rows):
         checked, backoff, realized = row["logra/checked_kl"], row["logra/backoff"], row["logra/realized_kl"]
         assert checked > 0, row   # 0: the update passed no candidate_kl, nothing was measured
         # Measured on XLA:CPU: without a back-off within 3e-4 of each other (the candidate leaves
-        # out the merge's rounding and weight decay); s² is the KL's quadratic term only, off by
-        # 3e-4 at s = 0.99 and 2 % at s = 0.3.
+        # out the merge's rounding and weight decay); s² is the KL's quadratic term only, and the
+        # higher-order terms it leaves out depend on the rollout: off by 3e-4 at s = 0.99, by 2 %
+        # and by 14 % at s = 0.3 and 0.34 on two draws of the same tiny step (a model's error,
+        # not a rounding error: a quarter allowed).
         if backoff == 1.0:
             np.testing.assert_allclose(realized, checked, rtol=3e-3, err_msg=str(row))
         else:
             assert 0 < backoff < 1 and checked > row["logra/effective_budget"], row
-            np.testing.assert_allclose(realized, backoff ** 2 * checked, rtol=0.05, err_msg=str(row))
+            np.testing.assert_allclose(realized, backoff ** 2 * checked, rtol=0.25, err_msg=str(row))
 
 
 def test_the_safeguard_backs_off_a_step_the_prediction_undershot_inside_the_loop(parts_of, tmp_path,
@@ -94,11 +96,9 @@ def test_the_safeguard_backs_off_a_step_the_prediction_undershot_inside_the_loop
     # (float32 arithmetic: a few ulps).
     np.testing.assert_allclose(row["logra/backoff"], np.sqrt(budget / row["logra/checked_kl"]),
                                rtol=1e-6)
-    # The applied step's KL is the budget up to the KL's departure from quadratic over the step,
-    # a third-order term, not a rounding error: far below the candidate's, and near the budget
-    # (0.95–1.14 of it over the rollouts this test has drawn; a quarter allowed).
+    # The applied step's KL (s²·K = B up to the terms past quadratic, checked above) is far
+    # below the candidate's.
     assert row["logra/realized_kl"] < 0.5 * row["logra/checked_kl"], row
-    np.testing.assert_allclose(row["logra/realized_kl"], budget, rtol=0.25)
 
 
 def test_the_tiny_config_moves_its_weights_every_step(shipped_tiny_parts, tmp_path):
