@@ -322,6 +322,7 @@ def test_the_rules_choices_are_the_librarys():
     assert config_lib.ADVANTAGE_BASELINES == losses.ADVANTAGE_BASELINES
     assert config_lib.DECODE_WEIGHTS == Sampler.DECODE_WEIGHTS
     assert config_lib.ROLLOUT_ENGINES == Sampler.ENGINES
+    assert config_lib.IMPORTANCE_CORRECTIONS == losses.IMPORTANCE_CORRECTIONS
     assert config_lib.SYNC_MODES == ("off",) + sync.MODES
     assert set(config_lib.MODEL_DTYPES) == set(DTYPES)
     assert config_lib.DISTRIBUTIONS == DISTRIBUTIONS

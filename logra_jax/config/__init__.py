@@ -16,10 +16,11 @@ from logra_jax.config.fingerprint import (DECODE_KEY, RESUMABLE_CHANGES, as_json
                                           resumable, state_changes)
 from logra_jax.config.keys import flatten, get
 from logra_jax.config.rules import (ADVANTAGE_BASELINES, DATA_SOURCES, DECODE_WEIGHTS,
-                                    DISTRIBUTIONS, FINITE, GALORE_PROJECTORS, KL_ESTIMATORS,
-                                    LOSS_AGG_MODES, MODEL_DTYPES, NONNEGATIVE, POSITIVE,
-                                    POSITIVE_INT, ROLLOUT_ENGINES, ROUNDINGS, SYNC_DTYPES,
-                                    SYNC_MODES, Rule, one_of)
+                                    DISTRIBUTIONS, FINITE, GALORE_PROJECTORS,
+                                    IMPORTANCE_CORRECTIONS, KL_ESTIMATORS, LOSS_AGG_MODES,
+                                    MODEL_DTYPES, NONNEGATIVE, POSITIVE, POSITIVE_INT,
+                                    ROLLOUT_ENGINES, ROUNDINGS, SYNC_DTYPES, SYNC_MODES, Rule,
+                                    one_of)
 from logra_jax.config.values import (CHECKED_ELSEWHERE, VALUE_RULES, check_values,
                                      describe_unknown, ignored_options, known_keys, nearest_keys,
                                      unknown_keys, validate, value_rules)

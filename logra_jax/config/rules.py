@@ -71,6 +71,7 @@ LOSS_AGG_MODES = ("token-mean", "sequence-mean")            # rl.losses.LOSS_AGG
 ADVANTAGE_BASELINES = ("mean", "leave_one_out")             # rl.losses.ADVANTAGE_BASELINES
 DECODE_WEIGHTS = ("auto", "per_layer", "stacked")           # rl.sampler.Sampler.DECODE_WEIGHTS
 ROLLOUT_ENGINES = ("static", "slots")                       # rl.sampler.Sampler.ENGINES
+IMPORTANCE_CORRECTIONS = ("tis", "mis")                     # rl.losses.IMPORTANCE_CORRECTIONS
 SYNC_MODES = ("off", "full", "factors", "sparse")           # "off" + rl.sync.MODES
 SYNC_DTYPES = ("bfloat16", "float32")
 MODEL_DTYPES = ("float32", "bfloat16")                      # models.config.DTYPES

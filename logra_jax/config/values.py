@@ -19,12 +19,10 @@ from logra_jax.config import choices
 from logra_jax.config.derived import rows_per_step
 from logra_jax.config.keys import flatten, get
 from logra_jax.config.rules import (AXIS_SIZE, BOOL, DATA_SOURCES, DECODE_WEIGHTS, FINITE,
-                                    FRACTION, LOSS_AGG_MODES, MODEL_DTYPES, NAME, NONNEGATIVE_INT,
-                                    POSITIVE, POSITIVE_INT, ROLLOUT_ENGINES, SYNC_DTYPES,
-                                    SYNC_MODES, TEXT, Rule,
-                                    _integer, _number, one_of)
+                                    FRACTION, IMPORTANCE_CORRECTIONS, LOSS_AGG_MODES, MODEL_DTYPES,
+                                    NAME, NONNEGATIVE_INT, POSITIVE, POSITIVE_INT, ROLLOUT_ENGINES,
+                                    SYNC_DTYPES, SYNC_MODES, TEXT, Rule, _integer, _number, one_of)
 
-IMPORTANCE_CORRECTIONS = ("tis", "mis")                     # rl.losses.IMPORTANCE_CORRECTIONS
 
 # Every key of configs/base.py that holds a value and belongs to no registered entry (those are
 # the entries' own, choices.py): with them, the schema a config file's keys are checked against
