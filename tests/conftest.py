@@ -62,10 +62,11 @@ import pytest  # noqa: E402
 # (--dist loadfile --no-loadscope-reorder); xdist's default order, most tests first, started the
 # two-test preemption file and the two-process file last, and one worker then ran them alone while
 # the other idled. Longest first leaves the many short files to even out the end.
-LONGEST_FIRST = ("test_trainer_sync.py", "test_multihost.py", "test_sync.py", "test_tpu_compile.py",
-                 "test_gpu_compile.py",
-                 "test_tpu_casts.py", "test_baselines.py", "test_preemption.py", "test_bad_input.py", "test_trainer.py",
-                 "test_sampler.py", "test_memory.py", "test_assembly.py", "test_nnx_sketch.py", "test_workdir.py")
+LONGEST_FIRST = ("test_gpu_cost.py", "test_trainer_sync.py", "test_multihost.py", "test_sync.py",
+                 "test_pipeline.py", "test_tpu_compile.py", "test_gpu_compile.py", "test_gpu_check.py",
+                 "test_tpu_casts.py", "test_model_decoder.py", "test_baselines.py", "test_preemption.py",
+                 "test_bad_input.py", "test_trainer.py", "test_sampler.py", "test_sampler_slots.py",
+                 "test_memory.py", "test_assembly.py", "test_nnx_sketch.py", "test_workdir.py")
 
 
 def pytest_collection_modifyitems(config, items):
