@@ -36,23 +36,31 @@ adamw`), side by side: kernels, bytes, host syncs, matmul FLOPs (loops as they r
 rollout batch) in the default mode: XLA's temporaries beside the KV cache that pass holds.
 
 **rollout** (needs ``--schedule``): a whole rollout of the config's batch (prompts_per_step ×
-num_generations rows, in passes of ``rl.rollout_micro_batch`` rows when set) by today's static
-engine, for a schedule of completion lengths (`gpu_programs.static_rollout` has the model): a pass
-runs whole trips of its token loop until its longest row ends, each decode step costing the bytes
-and kernels of the step XLA:GPU compiles, deviceless, for a pass of that many rows (the prefill
-not counted). Per kept token (completion tokens up to and including EOS): the bytes moved, the
-true floor (the weights once per step, each group's prompt KV once, each live row's completion
-KV so far, only while a row is live), the kernels; and efficiency = kept tokens ÷ executed
-row-steps, decode_steps = the token steps the passes run one after another. A GPU's time per
-kept token follows as max(bytes ÷ bandwidth, kernels × seconds per kernel). ``--schedule``:
-``lognormal:M`` draws every row's length as round(M·e^Z), Z ~ N(0, 1) (median M, σ 1), clipped
-to 1 … rl.max_completion_length, Z from numpy's generator seeded with
-``gpu_programs.SCHEDULE_SEED`` (the same lengths every run); or a file of one length per row,
-one integer per line.
+num_generations rows) by both engines, side by side, for a schedule of completion lengths, the
+two as wide (``rl.rollout_micro_batch`` rows per pass, or ``rl.rollout_slots`` slots; the whole
+batch when neither is set):
+
+- **static**, today's static engine (`gpu_programs.static_rollout`): a pass runs whole trips of
+  its token loop until its longest row ends, each decode step costing the bytes and kernels of
+  the step XLA:GPU compiles, deviceless, for a pass of that many rows;
+- **new**, the slot engine (`gpu_programs.slot_rollout`): its own program compiled the same way,
+  each loop (admission, and the tail at each executed size) costed per trip from the program,
+  the trips counted by replaying its schedule over the lengths (`slot_schedule.replay`).
+
+Neither counts its prefills (the static engine prefills every row, the slot engine each group
+once: ``prefill_tokens`` in the detail). Per kept token (completion tokens up to and including
+EOS): the bytes moved, the true floor (the batch decoded as one: the weights once per step, each
+group's prompt KV once, each live row's completion KV so far, only while a row is live), the
+kernels; and efficiency = kept tokens ÷ executed row-steps, decode_steps = the token steps run
+one after another. A GPU's time per kept token follows as max(bytes ÷ bandwidth, kernels ×
+seconds per kernel), part by part. ``--schedule``: ``lognormal:M`` draws every row's length as
+round(M·e^Z), Z ~ N(0, 1) (median M, σ 1), clipped to 1 … rl.max_completion_length, Z from
+numpy's generator seeded with ``gpu_programs.SCHEDULE_SEED`` (the same lengths every run); or a
+file of one length per row, one integer per line.
 
 ``--json FILE`` writes every figure; the header names the compiler and its versions. Its
 ``rollout`` entry is ``{schedule, static: {bytes_per_kept_token, floor_bytes_per_kept_token,
-kernels_per_kept_token, efficiency, decode_steps}, static_detail}``.
+kernels_per_kept_token, efficiency, decode_steps}, new: {the same}, static_detail, new_detail}``.
 """
 
 import dataclasses
@@ -226,11 +234,24 @@ def print_rollout(record) -> None:
             f"{'kernels/kept token':>18} {'efficiency':>10} {'decode steps':>12} {'seconds':>9}")
     print(head)
     print("-" * len(head))
-    print(f"{'static':<7} {_gb(static['bytes_per_kept_token']):>13} "
-          f"{_gb(static['floor_bytes_per_kept_token']):>8} "
-          f"{static['bytes_per_kept_token'] / static['floor_bytes_per_kept_token']:>6.2f} "
-          f"{static['kernels_per_kept_token']:>18.2f} {static['efficiency']:>10.3f} "
-          f"{static['decode_steps']:>12} {detail['predicted_seconds']:>9.4g}")
+    new, slot = r["new"], r["new_detail"]
+    for name, figures, seconds in (("static", static, detail["predicted_seconds"]),
+                                   ("new", new, slot["predicted_seconds"])):
+        print(f"{name:<7} {_gb(figures['bytes_per_kept_token']):>13} "
+              f"{_gb(figures['floor_bytes_per_kept_token']):>8} "
+              f"{figures['bytes_per_kept_token'] / figures['floor_bytes_per_kept_token']:>6.2f} "
+              f"{figures['kernels_per_kept_token']:>18.2f} {figures['efficiency']:>10.3f} "
+              f"{figures['decode_steps']:>12} {seconds:>9.4g}")
+    print(f"new/static: bytes per kept token "
+          f"{new['bytes_per_kept_token'] / static['bytes_per_kept_token']:.3f}, kernels "
+          f"{new['kernels_per_kept_token'] / static['kernels_per_kept_token']:.3f}, seconds "
+          f"{slot['predicted_seconds'] / detail['predicted_seconds']:.3f}")
+    print(f"new: the slot engine, {slot['slots']} decode slots and {slot['prompt_slots']} prompt "
+          f"slots, refilled every {slot['tokens_per_chunk']} steps; {slot['groups']} groups "
+          f"prefilled once each ({slot['prefill_tokens']:,} prompt tokens against the static "
+          f"engine's {detail['prefill_tokens']:,}, not counted); decode steps by executed size: "
+          + ", ".join(f"{s['slots']} slots × {s['steps']} ({_gb(s['bytes_per_step'])} GB, "
+                      f"{s['kernels_per_step']:.0f} kernels)" for s in slot["sizes"]))
     print(f"floor: the batch decoded as one, each row only while live (weights once per step, "
           f"each group's {record['model']['prompt_window']}-token prompt KV once, each live row's "
           f"completion KV so far); seconds predicted: forward passes × max(bytes ÷ "
@@ -297,7 +318,10 @@ def main(argv):
             detail["predicted_seconds"] = detail["forward_passes"] * max(
                 detail["bytes_per_step"] / target.bandwidth_per_device,
                 detail["kernels_per_step"] * gpu_cost.SECONDS_PER_KERNEL)
-            record["rollout"] = dict(schedule=schedule, static=static, static_detail=detail)
+            new, new_detail = gpu_programs.slot_rollout(config, mesh, lengths,
+                                                        bandwidth=target.bandwidth_per_device)
+            record["rollout"] = dict(schedule=schedule, static=static, new=new,
+                                     static_detail=detail, new_detail=new_detail)
         if _CALIBRATE.value:
             record["calibration"] = calibration(build_mesh({"fsdp": 1, "tensor": 1}, devices[:1]))
     except (ValueError, FileNotFoundError) as e:

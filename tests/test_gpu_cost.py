@@ -404,6 +404,42 @@ def test_the_rollout_part_counts_what_the_static_engine_runs(qwen_plan):
     assert f"{static['efficiency']:.3f}" in stdout.split("rollout of 8 rows")[1]
 
 
+def test_the_rollout_part_counts_what_the_slot_engine_runs(qwen_plan):
+    """The slot engine on the same schedule, as wide as a static pass (4 slots; 4 prompt slots),
+    refilled every 16 steps. Its schedule, walked by hand (groups g0 = rows 0, 1 of lengths
+    700, 20; g1 = 1, 40; g2 = 300, 17; g3 = 16, 2):
+
+    - admission trip 1 admits g0 and g1 (row 2 ends at its prefill draw: one slot free, too few
+      for g2), trip 2 admits nothing (row 1 ends at step 19, after the check), trip 3 admits g2
+      into slots 1, 2, trip 4 g3 into the slots rows 3 and 5 freed: 4 chunks of 4 slots;
+    - two rows live (0 and 4): no trips at 4 slots; at 2 slots until row 4 (column 32) reaches
+      299: 17 chunks; at 1 slot until row 0 (column 336) reaches 699: 23 chunks.
+
+    So 64 + 272 + 368 decode steps, and 8 prefill draws + 4·64 + 2·272 + 1·368 row-steps."""
+    stdout, plan = qwen_plan
+    rollout = plan["rollout"]
+    new, detail = rollout["new"], rollout["new_detail"]
+    assert set(new) == set(rollout["static"])
+    assert (detail["slots"], detail["prompt_slots"], detail["tokens_per_chunk"]) == (4, 4, 16)
+    assert detail["admission_trips"] == 4 and detail["groups"] == 4
+    steps = {size["slots"]: size["steps"] for size in detail["sizes"]}
+    assert steps == {4: 4 * 16, 2: 17 * 16, 1: 23 * 16}
+    assert new["decode_steps"] == 1 + 64 + 272 + 368
+    kept = sum(ROLLOUT_LENGTHS)
+    assert new["efficiency"] == kept / (8 + 4 * 64 + 2 * 272 + 1 * 368)
+    # Each group prefilled once; the static engine prefills every row.
+    assert detail["prefill_tokens"] * 2 == rollout["static_detail"]["prefill_tokens"] == 8 * 256
+    # The same floor; the decode steps' own bytes and the loops' and entry's work around them.
+    assert new["floor_bytes_per_kept_token"] == rollout["static"]["floor_bytes_per_kept_token"]
+    assert new["bytes_per_kept_token"] == pytest.approx(detail["bytes"] / kept, rel=1e-12)
+    in_steps = sum(size["steps"] * size["bytes_per_step"] for size in detail["sizes"])
+    assert in_steps < detail["bytes"] and detail["entry_bytes"] > 0
+    # A step of fewer slots reads less: the same weights, fewer rows' caches.
+    per_step = [size["bytes_per_step"] for size in detail["sizes"]]
+    assert per_step == sorted(per_step, reverse=True)
+    assert "new/static: bytes per kept token" in stdout
+
+
 def _default_decode(plan, batch):
     (entry,) = [d for d in plan["decode"] if d["batch"] == batch and d["default"]]
     return entry

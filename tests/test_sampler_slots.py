@@ -14,7 +14,8 @@ from logra_jax.models import Decoder
 from logra_jax.models.config import tiny
 from logra_jax.models.kv_segments import BLOCK, SegmentKV, segmented_attention
 from logra_jax.rl.policy import Policy
-from logra_jax.rl.sampler import Sampler, pad_prompts
+from logra_jax.rl.sampler import Sampler, pad_prompts, slot_schedule
+from logra_jax.rl.sampler.slots import default_prompt_slots
 from tolerance import assert_close_up_to_order
 
 PAD, PROMPT_LEN, STEPS, GROUP = 0, 8, 40, 4
@@ -90,10 +91,29 @@ def test_the_slot_engine_runs_fewer_row_steps_than_a_static_batch(engines):
     assert steps.sum() < np.asarray(want.token_steps).sum(), (steps.sum(), want.token_steps)
 
 
+def test_the_replayed_schedule_is_the_one_the_engine_ran(engines):
+    """`slot_schedule.replay` (what launch.cost counts a rollout's steps by) gives, from the
+    kept lengths alone, each row's token steps exactly as the engine counted them: groups
+    admitted into the lowest freed slots, idle steps, compaction to smaller sizes. Two
+    schedules: the free draw (EOS ends rows) and rows forced to their lengths."""
+    params, tokens, mask, _, slots = engines
+    key = jax.random.key(3)
+    for lengths in (None, np.array([1, 40, 3, 17] * GROUP, np.int32)):
+        got = slots.generate(params, tokens, mask, key, lengths=lengths)
+        kept = np.asarray(got.mask).sum(axis=1)
+        schedule = slot_schedule.replay(kept, group_size=GROUP, slots=8,
+                                        prompt_slots=default_prompt_slots(len(kept), 8, GROUP),
+                                        refill_every=1)
+        np.testing.assert_array_equal(schedule.token_steps, got.token_steps)
+        assert schedule.groups == len(PROMPTS) and schedule.sizes == (8, 4, 2, 1)
+        assert schedule.row_steps >= schedule.token_steps.sum()
+
+
 def _segments(rng, *, groups, group_size, slots, kv, heads, d, prompt, capacity, columns,
-              members, group_of, member_of, stale):
+              members, group_of, member_of, stale, past_bound=jnp.nan):
     """Random segments with ``stale`` in every completion column past each slot's own (what a
-    refilled slot's previous row left there) and NaN in every block past the live bound."""
+    refilled slot's previous row left there) and ``past_bound`` in every block past the live
+    bound."""
     k1, k2, k3, k4 = jax.random.split(rng, 4)
     prompt_k = jax.random.normal(k1, (groups, kv, d, prompt))
     prompt_v = jax.random.normal(k2, (groups, kv, prompt, d))
@@ -102,13 +122,13 @@ def _segments(rng, *, groups, group_size, slots, kv, heads, d, prompt, capacity,
     bound = int(column.max()) + 1
     cols = jnp.arange(capacity)
     past_own = cols[None, :] > column[:, None]
-    past_bound = cols >= -(-bound // BLOCK) * BLOCK
+    beyond = cols >= -(-bound // BLOCK) * BLOCK
     def fill(x, axis):
         shape = [1] * x.ndim
         shape[0], shape[axis] = slots, capacity
         x = jnp.where(past_own.reshape(shape), stale, x)
         shape[0] = 1
-        return jnp.where(past_bound.reshape(shape), jnp.nan, x)
+        return jnp.where(beyond.reshape(shape), past_bound, x)
     completion_k = fill(jax.random.normal(k3, (slots, kv, d, capacity)), 3)
     completion_v = fill(jax.random.normal(k4, (slots, kv, capacity, d)), 2)
     return SegmentKV(prompt_k, prompt_v, prompt_mask, completion_k, completion_v,
@@ -116,11 +136,13 @@ def _segments(rng, *, groups, group_size, slots, kv, heads, d, prompt, capacity,
                      jnp.asarray(member_of, jnp.int32), column, jnp.int32(bound))
 
 
-def test_two_segments_merged_by_log_sum_exp_are_one_softmax():
+@pytest.mark.parametrize("read", ["bounded", "whole"])
+def test_two_segments_merged_by_log_sum_exp_are_one_softmax(read):
     """Each live slot's output is softmax over [its group's prompt keys | its own completion
-    columns ≤ its column], summed in another order. Stale values (1e4) past a slot's column and
-    NaN in the blocks past the live bound leave it unchanged: a refilled slot reads no column of
-    its previous row, and no block past the longest live row is read."""
+    columns ≤ its column], summed in another order. Stale values (1e4) past a slot's column
+    leave it unchanged: a refilled slot reads no column of its previous row. Read in blocks up
+    to the live bound (XLA:CPU, TPU), NaN in the blocks past it leaves it unchanged too: none of
+    them is read. Read whole (XLA:GPU), every column past a slot's own is stale and masked."""
     kv, heads, d, prompt, group_size, slots = 2, 4, 8, 6, 3, 4
     capacity = 3 * BLOCK
     members = [[0, 2, 4], [1, 3, 4]]    # slot 4 = none: each group's third row has ended
@@ -128,12 +150,14 @@ def test_two_segments_merged_by_log_sum_exp_are_one_softmax():
     columns = [5, BLOCK + 3, 0, 17]     # slot 1 reaches into the second block; none the third
     segments = _segments(jax.random.key(0), groups=2, group_size=group_size, slots=slots, kv=kv,
                          heads=heads, d=d, prompt=prompt, capacity=capacity, columns=columns,
-                         members=members, group_of=group_of, member_of=member_of, stale=1e4)
+                         members=members, group_of=group_of, member_of=member_of, stale=1e4,
+                         past_bound=jnp.nan if read == "bounded" else 1e4)
     q = jax.random.normal(jax.random.key(1), (slots, heads, d))
     k_new = jax.random.normal(jax.random.key(2), (slots, kv, d))
     v_new = jax.random.normal(jax.random.key(3), (slots, kv, d))
     scale = 1 / math.sqrt(d)
-    out, written = jax.jit(segmented_attention, static_argnums=4)(q, k_new, v_new, segments, scale)
+    out, written = jax.jit(segmented_attention, static_argnums=(4, 5))(q, k_new, v_new, segments,
+                                                                        scale, read)
     for s in range(slots):
         g, n = group_of[s], columns[s] + 1
         keys = np.concatenate([np.asarray(segments.prompt_k[g])[..., np.asarray(segments.prompt_mask[g])],

@@ -297,23 +297,17 @@ def static_rollout(config: ml_collections.ConfigDict, mesh, lengths) -> tuple[di
 
     - ``bytes_per_kept_token`` = Σ_passes F × bytes per step ÷ kept tokens;
     - ``kernels_per_kept_token`` = Σ_passes F × kernels per step ÷ kept tokens;
-    - ``floor_bytes_per_kept_token`` = Σ_s `true_floor_bytes` ÷ kept tokens, the batch decoded
-      as one by an ideal engine: at forward pass s = 1 … max(lengths) − 1 the rows still live
-      (L > s) read the weights once, their groups' prompt windows (rl.max_prompt_length tokens:
-      no prompt lengths are known here) once, and s completion tokens each;
+    - ``floor_bytes_per_kept_token`` = `rollout_floor_bytes` ÷ kept tokens;
     - ``efficiency`` = kept tokens ÷ executed row-steps (rows per pass × token steps, summed);
     - ``decode_steps`` = the token steps of all passes, one pass after the other.
 
     Time follows as bytes ÷ bandwidth or kernels × seconds per kernel (`gpu_cost`'s model), per
     kept token."""
     rl = config.rl
-    rows = config.data.prompts_per_step * rl.num_generations
-    lengths = np.asarray(lengths, np.int64)
-    if lengths.shape != (rows,):
-        raise ValueError(f"{lengths.size} completion lengths for a rollout of {rows} rows")
-    if lengths.min() < 1 or lengths.max() > rl.max_completion_length:
-        raise ValueError(f"completion lengths must be 1 … rl.max_completion_length="
-                         f"{rl.max_completion_length}, got {lengths.min()} … {lengths.max()}")
+    lengths = check_lengths(config, lengths)
+    rows = lengths.size
+    config = static_config(config)
+    rl = config.rl
     per_pass = rl.rollout_micro_batch or rows
     if rows % per_pass:
         raise ValueError(f"rl.rollout_micro_batch={per_pass} does not divide the {rows}-row batch")
@@ -336,19 +330,7 @@ def static_rollout(config: ml_collections.ConfigDict, mesh, lengths) -> tuple[di
     forward = sum(p["forward_passes"] for p in detail_passes)
     token_steps = sum(p["token_steps"] for p in detail_passes)
 
-    # The ideal engine's steps: every row of the batch at once, each only while it is live.
-    model = model_shapes.model_config_from(config.model)
-    weights_fixed = weight_bytes_read(program.weights, model, 0)
-    weights_per_row = weight_bytes_read(program.weights, model, 1) - weights_fixed
-    kv_per_token = memory.kv_cache_bytes(model, rows, 1, mesh) / rows
-    s = np.arange(1, int(lengths.max()))[:, None]
-    live = lengths[None, :] > s                                      # [steps, rows]
-    live_rows = live.sum(axis=1)
-    live_groups = live.reshape(len(s), -1, rl.num_generations).any(axis=2).sum(axis=1)
-    floor = sum(true_floor_bytes(weights_read=weights_fixed + n * weights_per_row,
-                                 kv_per_token=kv_per_token, prompt_length=rl.max_prompt_length,
-                                 live_groups=int(g), completion_tokens=int(step_s * n))
-                for step_s, n, g in zip(s[:, 0], live_rows, live_groups))
+    floor, kv_per_token = rollout_floor_bytes(config, mesh, program.weights, lengths)
     figures = dict(bytes_per_kept_token=forward * step.bytes / kept,
                    floor_bytes_per_kept_token=floor / kept,
                    kernels_per_kept_token=forward * step.kernels / kept,
@@ -358,5 +340,191 @@ def static_rollout(config: ml_collections.ConfigDict, mesh, lengths) -> tuple[di
                   passes=detail_passes, forward_passes=forward, tokens_per_loop_trip=per_trip,
                   bytes_per_step=step.bytes, kernels_per_step=step.kernels,
                   weight_bytes_read=program.weight_bytes_read, kv_bytes_per_token=kv_per_token,
-                  floor_bytes=floor)
+                  floor_bytes=floor, prefill_tokens=rows * rl.max_prompt_length)
+    return figures, detail
+
+
+def check_lengths(config: ml_collections.ConfigDict, lengths) -> np.ndarray:
+    """``lengths`` as an array of one completion length per row of the config's rollout batch,
+    each 1 … rl.max_completion_length; ValueError otherwise."""
+    rl = config.rl
+    rows = config.data.prompts_per_step * rl.num_generations
+    lengths = np.asarray(lengths, np.int64)
+    if lengths.shape != (rows,):
+        raise ValueError(f"{lengths.size} completion lengths for a rollout of {rows} rows")
+    if lengths.min() < 1 or lengths.max() > rl.max_completion_length:
+        raise ValueError(f"completion lengths must be 1 … rl.max_completion_length="
+                         f"{rl.max_completion_length}, got {lengths.min()} … {lengths.max()}")
+    return lengths
+
+
+def rollout_floor_bytes(config: ml_collections.ConfigDict, mesh, weights, lengths) -> tuple[float, float]:
+    """(the true floor of a whole rollout, one token's KV over every layer), per GPU: the batch
+    decoded as one by an ideal engine. At forward pass s = 1 … max(lengths) − 1 the rows still
+    live (L > s) read the weights once, their groups' prompt windows (rl.max_prompt_length
+    tokens: no prompt lengths are known here) once, and s completion tokens each
+    (`true_floor_bytes`). The same for every engine: what they are measured against."""
+    rl = config.rl
+    rows = lengths.size
+    model = model_shapes.model_config_from(config.model)
+    weights_fixed = weight_bytes_read(weights, model, 0)
+    weights_per_row = weight_bytes_read(weights, model, 1) - weights_fixed
+    kv_per_token = memory.kv_cache_bytes(model, rows, 1, mesh) / rows
+    s = np.arange(1, int(lengths.max()))[:, None]
+    live = lengths[None, :] > s                                      # [steps, rows]
+    live_rows = live.sum(axis=1)
+    live_groups = live.reshape(len(s), -1, rl.num_generations).any(axis=2).sum(axis=1)
+    floor = sum(true_floor_bytes(weights_read=weights_fixed + n * weights_per_row,
+                                 kv_per_token=kv_per_token, prompt_length=rl.max_prompt_length,
+                                 live_groups=int(g), completion_tokens=int(step_s * n))
+                for step_s, n, g in zip(s[:, 0], live_rows, live_groups))
+    return floor, kv_per_token
+
+
+def static_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """``config`` on the static engine, its passes as wide as the slot engine's slots when it
+    was on that engine (``rl.rollout_slots``, 0: the whole batch)."""
+    out = config.copy_and_resolve_references()
+    if out.rl.rollout_engine == "slots":
+        out.rl.rollout_micro_batch = out.rl.rollout_slots
+    out.rl.rollout_engine, out.rl.rollout_slots = "static", 0
+    return out
+
+
+def slot_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """``config`` on the slot engine with as many decode slots as the static engine's pass has
+    rows (``rl.rollout_slots`` when set, else ``rl.rollout_micro_batch``, else the whole batch):
+    the two engines compared at the same executed width."""
+    rl = config.rl
+    out = config.copy_and_resolve_references()
+    out.rl.rollout_engine = "slots"
+    out.rl.rollout_slots = rl.rollout_slots or rl.rollout_micro_batch or (
+        config.data.prompts_per_step * rl.num_generations)
+    out.rl.rollout_micro_batch = 0
+    return out
+
+
+class _Part(NamedTuple):
+    """Bytes and kernels of a part of a program, per run of it."""
+
+    bytes: float
+    kernels: float
+    host_syncs: float = 0.0
+
+    @staticmethod
+    def of(cost: gpu_cost.Cost) -> "_Part":
+        return _Part(cost.bytes, cost.kernels, cost.host_syncs)
+
+    def __add__(self, other):
+        return _Part(*(a + b for a, b in zip(self, other)))
+
+    def __sub__(self, other):
+        return _Part(*(a - b for a, b in zip(self, other)))
+
+    def __mul__(self, times: float):
+        return _Part(*(a * times for a in self))
+
+    def seconds(self, bandwidth: float) -> float:
+        """`gpu_cost`'s model: bytes ÷ bandwidth or kernels × seconds per kernel, the longer."""
+        return max(self.bytes / bandwidth, self.kernels * gpu_cost.SECONDS_PER_KERNEL)
+
+
+def slot_rollout(config: ml_collections.ConfigDict, mesh, lengths, *,
+                 bandwidth: float) -> tuple[dict, dict]:
+    """A whole rollout of ``config``'s batch by the slot engine (`slot_config`: as many slots as
+    the static engine's pass has rows) for completion ``lengths``, per GPU, as `static_rollout`.
+    Returns (figures, the detail they come from).
+
+    XLA:GPU compiles the engine's program, deviceless. Its top-level loops are the admission
+    loop (a loop admitting groups, one prefill each, then one chunk of `slots.REFILL_EVERY`
+    decode steps of every slot) and one tail loop per executed size (a chunk of decode steps of
+    that many slots per trip); each chunk is an inner loop of known trip count whose body is
+    one decode step at that size. `slot_schedule.replay` counts, from the lengths, the trips of
+    each loop and the groups admitted. The rollout then costs
+
+        Σ_loops (trips × one trip + the exit test) + the entry's own work (state, compactions)
+          − the admissions' prefills (not counted, as `static_rollout`'s prefill)
+
+    - ``bytes_per_kept_token``, ``kernels_per_kept_token``: that ÷ kept tokens;
+    - ``floor_bytes_per_kept_token``: `rollout_floor_bytes` ÷ kept tokens, the static engine's;
+    - ``efficiency`` = kept tokens ÷ executed row-steps (each row's prefill draw, and n per
+      decode step of n slots, slots holding no live row included: `SlotSchedule.row_steps`);
+    - ``decode_steps`` = 1 (the prefill draw) + the decode steps of every loop, one after the
+      other."""
+    from logra_jax.rl.sampler import slot_schedule, slots as slot_engine   # a jax program's rules
+
+    lengths = check_lengths(config, lengths)
+    config = slot_config(config)
+    rl = config.rl
+    rows, group = lengths.size, rl.num_generations
+    n_slots = rl.rollout_slots
+    prompt_slots = slot_engine.default_prompt_slots(rows, n_slots, group)
+    schedule = slot_schedule.replay(lengths, group_size=group, slots=n_slots,
+                                    prompt_slots=prompt_slots, refill_every=slot_engine.REFILL_EVERY)
+    model = model_shapes.model_config_from(config.model)
+    generate = memory.lower_generate(config, mesh)
+    compiled = compile_for(generate.lowered, mesh, f"the slot engine's generate ({n_slots} slots)")
+    program = gpu_cost.Program(compiled.as_text())
+    heads = gpu_cost.head_parameters(program, model.vocab_size, model.hidden_size, mesh.size)
+
+    def reads_head(loop) -> float:
+        return program.trip(loop).reads_whole(lambda c, n: program.origin(c, n) in heads)
+
+    loops = program.loops()
+    top = [loop for loop in loops if not loop.parents]
+    sizes = schedule.sizes
+    if len(top) != 1 + len(sizes) or any(loop.trip_count is not None for loop in top):
+        raise ValueError(f"the slot engine's program has {len(top)} top-level loops, expected "
+                         f"{1 + len(sizes)} of run-time trip counts (admission, sizes {sizes})")
+
+    def inner(outer, trip_count):
+        return [loop for loop in loops if loop.parents == (outer.name,)
+                and loop.trip_count == trip_count]
+
+    def check(loop) -> _Part:   # one test of a run-time loop's condition, read on the host
+        return _Part.of(program.cost(loop.condition)) + _Part(0.0, 0.0, 1.0)
+
+    # The loops in program order: admission, then the tail's sizes, largest first.
+    admission, tails = top[0], dict(zip(sizes, top[1:]))
+    admits = inner(admission, None)
+    if len(admits) != 1:
+        raise ValueError("the slot engine's admission loop holds no loop admitting groups")
+    admit = admits[0]
+    prefill = _Part.of(program.cost(admit.body))
+    # Each part of the rollout: (what one run of it costs, how many times it runs). A trip of
+    # the admission loop holds one admission as a run-time loop counted once (its body and two
+    # tests): that goes, and the admissions are counted apart, their prefills left out.
+    admit_once = prefill + check(admit) * 2
+    parts, steps = [], {}
+    for size, loop, trips in ([(sizes[0], admission, schedule.admission_trips)]
+                              + [(n, tails[n], schedule.tail_trips[n]) for n in sizes]):
+        chunks = inner(loop, slot_engine.REFILL_EVERY)
+        if len(chunks) != 1 or reads_head(chunks[0]) != 1:
+            raise ValueError(f"a loop of the slot engine's program ({loop.name}) holds no chunk of "
+                             f"{slot_engine.REFILL_EVERY} decode steps")
+        steps.setdefault(size, _Part.of(program.cost(chunks[0].body)))
+        trip = _Part.of(program.trip(loop)) - (admit_once if loop is admission else _Part(0, 0))
+        parts += [(trip, trips), (check(loop), 1)]
+    parts.append((check(admit), schedule.admission_trips + schedule.groups))
+    entry_own = _Part.of(program.cost()) - sum(
+        (_Part.of(program.trip(loop)) + check(loop) for loop in top), _Part(0.0, 0.0))
+    parts.append((entry_own, 1))   # the state's set-up, the compactions, the outputs
+    decode = sum((part * times for part, times in parts), _Part(0.0, 0.0))
+    kept = int(lengths.sum())
+    floor, kv_per_token = rollout_floor_bytes(config, mesh, generate.weights, lengths)
+    figures = dict(bytes_per_kept_token=decode.bytes / kept,
+                   floor_bytes_per_kept_token=floor / kept,
+                   kernels_per_kept_token=decode.kernels / kept,
+                   efficiency=kept / schedule.row_steps,
+                   decode_steps=1 + sum(schedule.steps.values()))
+    detail = dict(rows=rows, slots=n_slots, prompt_slots=prompt_slots, kept_tokens=kept,
+                  tokens_per_chunk=slot_engine.REFILL_EVERY,
+                  admission_trips=schedule.admission_trips, groups=schedule.groups,
+                  sizes=[dict(slots=n, steps=schedule.steps[n], bytes_per_step=steps[n].bytes,
+                              kernels_per_step=steps[n].kernels) for n in sizes],
+                  bytes=decode.bytes, kernels=decode.kernels, host_syncs=decode.host_syncs,
+                  entry_bytes=entry_own.bytes, prefill_bytes_per_group=prefill.bytes,
+                  prefill_tokens=schedule.groups * rl.max_prompt_length, floor_bytes=floor,
+                  kv_bytes_per_token=kv_per_token,
+                  predicted_seconds=sum(part.seconds(bandwidth) * times for part, times in parts))
     return figures, detail

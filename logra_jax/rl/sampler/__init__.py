@@ -4,6 +4,8 @@
     draw.py     one token per row: Gumbel-max noise keyed by (run key, row, token position)
     output.py   SampleOutput, what a rollout returns
     static.py   `Sampler`: a static batch, prefilled per row and decoded until its longest row ends
+    slots.py    the slot engine: each group prefilled once, rows through slots refilled as rows end
+    slot_schedule.py  the slot engine's schedule replayed on the host from completion lengths
 """
 
 from logra_jax.rl.sampler.draw import (NEG_INF, TOP_P_CANDIDATES, draw, filter_logits, first_argmax,

@@ -51,6 +51,13 @@ def check_slots(batch: int, group_size: int, slots: int, prompt_slots: int) -> N
         raise ValueError(f"the slot engine needs at least one prompt slot, got {prompt_slots}")
 
 
+def default_prompt_slots(batch: int, slots: int, group_size: int) -> int:
+    """The prompt slots a `Sampler` of ``slots`` decode slots holds unless told: twice the groups
+    the decode slots hold (a group's prompt stays while its slowest row decodes, so the next
+    groups need prompt slots of their own), at most the batch's groups."""
+    return min(batch, 2 * slots) // group_size
+
+
 def generate_in_slots(model, probes, prompt_tokens, prompt_mask, rng, temperature, *,
                       group_size: int, slots: int, prompt_slots: int, max_completion_length: int,
                       eos_ids, pad_id: int, top_k: int, top_p: float, greedy: bool,

@@ -32,7 +32,7 @@ from logra_jax.rl.policy import Policy
 from logra_jax.rl.sampler.draw import draw
 from logra_jax.rl.sampler.output import SampleOutput
 from logra_jax.rl.sampler.prompts import decode_completions, left_align, pad_prompts
-from logra_jax.rl.sampler.slots import generate_in_slots
+from logra_jax.rl.sampler.slots import default_prompt_slots, generate_in_slots
 from logra_jax.sharding import mesh_of
 
 # Decode steps a GPU takes between two reads of "is a row still going?" (`Sampler`'s in_chunks):
@@ -245,7 +245,7 @@ class Sampler:
             return generate_in_slots(
                 model, self.policy.probes(params), prompt_tokens, prompt_mask, rng, temperature,
                 group_size=self.group_size, slots=slots,
-                prompt_slots=self.prompt_slots or min(batch, 2 * slots) // self.group_size,
+                prompt_slots=self.prompt_slots or default_prompt_slots(batch, slots, self.group_size),
                 max_completion_length=self.max_completion_length, eos_ids=self.eos_ids,
                 pad_id=self.pad_id, top_k=top_k, top_p=top_p, greedy=greedy, limits=limits,
                 layers=model.unstacked_layers())
