@@ -23,7 +23,7 @@ multiplied by that group's K_p as one batched product. The completion part reads
 columns a live row can see: blocks of ``BLOCK`` columns up to the longest live row's column
 (``bound``), in a loop whose trip count is that bound, merged block by block the same way (on
 XLA:CPU and a TPU; XLA:GPU reads a loop's trip condition on the host, one stall per layer and
-step, so there every block is read and masked: a bound per row belongs in a kernel). A slot
+step, so there every column is read, masked, as one part: a bound per row belongs in a kernel). A slot
 reads its own columns ≤ its own (``column``), so a slot refilled by another row never sees the
 columns its previous row wrote beyond the new row's length.
 """
@@ -94,8 +94,11 @@ def _merge(first, second):
     return m, l1 * w1 + l2 * w2, a1 * w1[..., None] + a2 * w2[..., None]
 
 
+COMPLETION_READS = ("auto", "bounded", "whole")
+
+
 def segmented_attention(q: jax.Array, k: jax.Array, v: jax.Array, segments: SegmentKV,
-                        scale: float) -> tuple[jax.Array, SegmentKV]:
+                        scale: float, completion_read: str = "auto") -> tuple[jax.Array, SegmentKV]:
     """(attention output [n, H, d] in v's dtype, the segments with k, v written) for one decode
     step of the first n slots: q [n, H, d] (rotated), k and v [n, KV, d] the step's own key and
     value (rotated k); ``column``, ``group_of`` and ``member_of`` are those n slots'; the
@@ -105,7 +108,12 @@ def segmented_attention(q: jax.Array, k: jax.Array, v: jax.Array, segments: Segm
 
     The step's key and value are written first and the blocks read from the written segment:
     written after the reads, XLA:CPU copied each layer's whole segment twice per step to keep
-    the unwritten version alive for them."""
+    the unwritten version alive for them.
+
+    ``completion_read``: "bounded" (blocks up to the live bound), "whole" (every column, masked)
+    or "auto": whole on XLA:GPU, bounded elsewhere (module docstring)."""
+    if completion_read not in COMPLETION_READS:
+        raise ValueError(f"completion_read must be one of {COMPLETION_READS}, got {completion_read!r}")
     segments = segments.written(k, v)
     num_slots, num_heads, head_dim = q.shape
     num_groups, kv_heads = segments.prompt_k.shape[:2]
@@ -145,10 +153,19 @@ def segmented_attention(q: jax.Array, k: jax.Array, v: jax.Array, segments: Segm
     def bounded(state):   # the blocks up to the live bound, a loop of a dynamic trip count
         return jax.lax.fori_loop(0, (segments.bound + BLOCK - 1) // BLOCK, block, state)
 
-    def whole(state):     # every block, masked: XLA:GPU tests a loop's condition on the host
-        capacity = segments.completion_k.shape[3]
-        return jax.lax.fori_loop(0, capacity // BLOCK, block, state, unroll=True)
+    def whole(state):     # every column in one masked part: XLA:GPU tests a loop's condition
+        # on the host, and the blocks unrolled were two GEMMs and a merge each (24 per layer at
+        # 1,536 columns: twice the static step's kernels); one part reads the same bytes.
+        keys = segments.completion_k[:num_slots]
+        values = segments.completion_v[:num_slots]
+        scores = jnp.einsum("skhd,skdc->skhc", q, keys, preferred_element_type=jnp.float32) * scale
+        columns = jnp.arange(keys.shape[3])
+        visible = (columns[None, :] <= segments.column[:, None])[:, None, None, :]
+        return _merge(state, _part(scores, visible, values, "skhc,skcd->skhd"))
 
-    m, l, a = jax.lax.platform_dependent(state, default=bounded, cuda=whole, rocm=whole)
+    if completion_read == "auto":
+        m, l, a = jax.lax.platform_dependent(state, default=bounded, cuda=whole, rocm=whole)
+    else:
+        m, l, a = (bounded if completion_read == "bounded" else whole)(state)
     out = a / jnp.where(l > 0, l, 1.0)[..., None]
     return out.reshape(num_slots, num_heads, head_dim).astype(v.dtype), segments
