@@ -264,3 +264,114 @@ def decode_attention(qkv, cos, sin, cache_k, cache_v, mask, slot, *, heads: int,
         )(*operands)
 
     return _per_platform(call, *operands, cache_k, cache_v)
+
+
+# -------------------------------------------------------------------------------------------------
+# Attention over two segments (the slot engine's cache)
+# -------------------------------------------------------------------------------------------------
+def segmented_decode_attention(q, k, v, prompt_k, prompt_v, prompt_mask, completion_k,
+                               completion_v, group_of, column, *, scale: float):
+    """One decode step's attention over the slot engine's two segments (`kv_segments`), as one
+    kernel; returns (out, completion_k, completion_v).
+
+    q [n, H, d] (rotated), k and v [n, KV, d]: the step's own query, key (rotated) and value for
+    the first n slots; prompt_k [Q, KV, d, P], prompt_v [Q, KV, P, d], prompt_mask [Q, P]: each
+    prompt slot's group's prompt; completion_k [S, KV, d, C], completion_v [S, KV, C, d] (S ≥ n):
+    each slot's own completion, updated in place (k and v written at the slot's ``column``);
+    group_of, column [n]: each slot's prompt slot and the completion column it writes.
+
+    out [n, H, d] (v's dtype) = softmax([q·K_p(g) | q·K_c(s)[≤ column]]·scale)·[V_p(g); V_c(s)]
+    for slot s of group g: `kv_segments.segmented_attention`'s, one online softmax over the
+    prompt's blocks and then the completion's (Milakov & Gimelshein 2018), the weights kept in
+    fp32. One program per slot and query head: it reads its group's prompt, and its own
+    completion only up to its own column, a loop whose trip count is the slot's (per row, not
+    the longest row's). The first head of each KV group writes the slot's k and v; the own
+    column is scored from k and v as computed, not read back from memory another program writes.
+    """
+    n, heads, head_dim = q.shape
+    kv_heads, _, prompt_len = prompt_k.shape[1:]
+    columns = completion_k.shape[3]
+    per_kv = heads // kv_heads
+    if head_dim & (head_dim - 1) or head_dim < 2:
+        raise ValueError(f"segmented_decode_attention needs a head_dim that is a power of two, "
+                         f"got {head_dim}")
+    prompt_block = min(SLOTS_PER_BLOCK, pl.next_power_of_2(prompt_len))
+    block = min(SLOTS_PER_BLOCK, pl.next_power_of_2(columns))
+    dtype = completion_k.dtype
+    lowest = float(jnp.finfo(jnp.float32).min)
+    every = pl.ds(0, head_dim)
+
+    def kernel(q_ref, k_ref, v_ref, pk_ref, pv_ref, pm_ref, group_ref, column_ref, _, __,
+               out_ref, ck_ref, cv_ref):
+        # (the two unnamed inputs are the completion caches, the same buffers as ck_ref, cv_ref)
+        slot, head = pl.program_id(0), pl.program_id(1)
+        kv = head // per_kv
+        g = group_ref[slot]
+        at = jnp.clip(column_ref[slot], 0, columns - 1)
+        query = _load(q_ref, (slot, head, every)).astype(jnp.float32)
+        k_new = _load(k_ref, (slot, kv, every)).astype(dtype)
+        v_new = _load(v_ref, (slot, kv, every)).astype(dtype)
+
+        @pl.when(head % per_kv == 0)
+        def _():
+            _store(ck_ref, (slot, kv, every, at), k_new)
+            _store(cv_ref, (slot, kv, at, every), v_new)
+
+        own = jnp.sum(query * k_new.astype(jnp.float32)) * scale
+
+        def accumulate(carry, scores, values):
+            top, total, acc = carry
+            new_top = jnp.maximum(top, jnp.max(scores))
+            weights = jnp.exp(scores - new_top)
+            rescale = jnp.exp(top - new_top)
+            acc = acc * rescale + jnp.sum(weights[:, None] * values, axis=0)
+            return new_top, total * rescale + jnp.sum(weights), acc
+
+        def prompt_step(i, carry):
+            cols = pl.ds(i * prompt_block, prompt_block)
+            inside = i * prompt_block + jnp.arange(prompt_block) < prompt_len
+            keys = _load(pk_ref, (g, kv, every, cols), mask=inside[None, :], other=0)
+            scores = jnp.sum(query[:, None] * keys.astype(jnp.float32), axis=0) * scale
+            visible = inside & (_load(pm_ref, (g, cols), mask=inside, other=0) != 0)
+            scores = jnp.where(visible, scores, -jnp.inf)
+            values = _load(pv_ref, (g, kv, cols, every), mask=inside[:, None], other=0)
+            values = jnp.where(visible[:, None], values.astype(jnp.float32), 0.0)
+            return accumulate(carry, scores, values)
+
+        def completion_step(i, carry):
+            cols = pl.ds(i * block, block)
+            position = i * block + jnp.arange(block)
+            inside = position < columns
+            keys = _load(ck_ref, (slot, kv, every, cols), mask=inside[None, :], other=0)
+            scores = jnp.sum(query[:, None] * keys.astype(jnp.float32), axis=0) * scale
+            is_own = position == at
+            scores = jnp.where(is_own, own, scores)
+            scores = jnp.where(position <= at, scores, -jnp.inf)
+            values = _load(cv_ref, (slot, kv, cols, every), mask=inside[:, None], other=0)
+            values = jnp.where(is_own[:, None], v_new[None, :], values).astype(jnp.float32)
+            # (a weight of 0 times a stale value past the slot's column must stay 0: masked)
+            values = jnp.where((position <= at)[:, None], values, 0.0)
+            return accumulate(carry, scores, values)
+
+        carry = (jnp.full((), lowest, jnp.float32), jnp.zeros((), jnp.float32),
+                 jnp.zeros((head_dim,), jnp.float32))
+        carry = jax.lax.fori_loop(0, pl.cdiv(prompt_len, prompt_block), prompt_step, carry)
+        carry = jax.lax.fori_loop(0, at // block + 1, completion_step, carry)
+        _, total, acc = carry
+        _store(out_ref, (slot, head, every), (acc / total).astype(out_ref.dtype))
+
+    operands = (q, k, v, prompt_k, prompt_v, prompt_mask.astype(jnp.int32),
+                group_of.astype(jnp.int32), column.astype(jnp.int32))
+
+    def call(interpret, *operands):
+        return pl.pallas_call(
+            kernel,
+            out_shape=(jax.ShapeDtypeStruct((n, heads, head_dim), v.dtype),
+                       jax.ShapeDtypeStruct(completion_k.shape, dtype),
+                       jax.ShapeDtypeStruct(completion_v.shape, completion_v.dtype)),
+            grid=(n, heads), input_output_aliases={len(operands) - 2: 1, len(operands) - 1: 2},
+            compiler_params=_compiler_params(4), interpret=interpret,
+            name="segmented_decode_attention",
+        )(*operands)
+
+    return _per_platform(call, *operands, completion_k, completion_v)

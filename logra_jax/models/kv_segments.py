@@ -31,6 +31,7 @@ columns its previous row wrote beyond the new row's length.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -94,7 +95,7 @@ def _merge(first, second):
     return m, l1 * w1 + l2 * w2, a1 * w1[..., None] + a2 * w2[..., None]
 
 
-COMPLETION_READS = ("auto", "bounded", "whole")
+COMPLETION_READS = ("auto", "bounded", "whole", "kernel")
 
 
 def segmented_attention(q: jax.Array, k: jax.Array, v: jax.Array, segments: SegmentKV,
@@ -106,14 +107,42 @@ def segmented_attention(q: jax.Array, k: jax.Array, v: jax.Array, segments: Segm
     which this step neither reads nor writes, and a member id ≥ n counts as an empty place. The
     math is in the module docstring.
 
-    The step's key and value are written first and the blocks read from the written segment:
-    written after the reads, XLA:CPU copied each layer's whole segment twice per step to keep
-    the unwritten version alive for them.
-
-    ``completion_read``: "bounded" (blocks up to the live bound), "whole" (every column, masked)
-    or "auto": whole on XLA:GPU, bounded elsewhere (module docstring)."""
+    ``completion_read``: "bounded" (XLA's ops, blocks up to the live bound), "whole" (XLA's ops,
+    every column masked), "kernel" (`decode_kernels.segmented_decode_attention`: one kernel,
+    each slot's own columns; through Pallas' interpreter off a GPU) or "auto": the kernel on a
+    GPU where the head width is a power of two (Triton's blocks), whole there otherwise, bounded
+    elsewhere (module docstring)."""
     if completion_read not in COMPLETION_READS:
         raise ValueError(f"completion_read must be one of {COMPLETION_READS}, got {completion_read!r}")
+    head_dim = q.shape[2]
+    args = (q, k, v, segments)   # (the scale stays a Python float: a static of the kernel)
+    if completion_read == "auto":
+        on_gpu = (functools.partial(_kernel_attention, scale=scale) if head_dim & (head_dim - 1) == 0
+                  else functools.partial(_xla_attention, scale=scale, read="whole"))
+        return jax.lax.platform_dependent(
+            *args, default=functools.partial(_xla_attention, scale=scale, read="bounded"),
+            cuda=on_gpu, rocm=on_gpu)
+    if completion_read == "kernel":
+        return _kernel_attention(*args, scale=scale)
+    return _xla_attention(*args, scale=scale, read=completion_read)
+
+
+def _kernel_attention(q, k, v, segments: SegmentKV, *, scale: float):
+    """`segmented_attention` as one kernel (it writes k and v itself)."""
+    from logra_jax.models.decode_kernels import segmented_decode_attention
+    out, completion_k, completion_v = segmented_decode_attention(
+        q, k, v, segments.prompt_k, segments.prompt_v, segments.prompt_mask,
+        segments.completion_k, segments.completion_v, segments.group_of, segments.column,
+        scale=scale)
+    return out, dataclasses.replace(segments, completion_k=completion_k, completion_v=completion_v)
+
+
+def _xla_attention(q, k, v, segments: SegmentKV, *, scale: float, read: str):
+    """`segmented_attention` in XLA's ops, the completion read "bounded" or "whole".
+
+    The step's key and value are written first and the blocks read from the written segment:
+    written after the reads, XLA:CPU copied each layer's whole segment twice per step to keep
+    the unwritten version alive for them."""
     segments = segments.written(k, v)
     num_slots, num_heads, head_dim = q.shape
     num_groups, kv_heads = segments.prompt_k.shape[:2]
@@ -163,9 +192,6 @@ def segmented_attention(q: jax.Array, k: jax.Array, v: jax.Array, segments: Segm
         visible = (columns[None, :] <= segments.column[:, None])[:, None, None, :]
         return _merge(state, _part(scores, visible, values, "skhc,skcd->skhd"))
 
-    if completion_read == "auto":
-        m, l, a = jax.lax.platform_dependent(state, default=bounded, cuda=whole, rocm=whole)
-    else:
-        m, l, a = (bounded if completion_read == "bounded" else whole)(state)
+    m, l, a = (bounded if read == "bounded" else whole)(state)
     out = a / jnp.where(l > 0, l, 1.0)[..., None]
     return out.reshape(num_slots, num_heads, head_dim).astype(v.dtype), segments
