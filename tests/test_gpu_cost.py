@@ -432,7 +432,17 @@ def test_the_rollout_part_counts_what_the_slot_engine_runs(qwen_plan):
     # The same floor; the decode steps' own bytes and the loops' and entry's work around them.
     assert new["floor_bytes_per_kept_token"] == rollout["static"]["floor_bytes_per_kept_token"]
     assert new["bytes_per_kept_token"] == pytest.approx(detail["bytes"] / kept, rel=1e-12)
-    in_steps = sum(size["steps"] * size["bytes_per_step"] for size in detail["sizes"])
+    # The attention kernel (one per layer) takes each slot's completion K and V whole but reads
+    # a slot's columns up to its own: the program's whole operands are replaced by the columns
+    # the schedule reads, at least each row's 1 + 2 + … + (L − 1) while it decodes.
+    kv_per_token = 3 * 2 * 128 * 2 * 2   # layers × KV heads × head width × K and V × bf16
+    for size in detail["sizes"]:
+        assert size["kernel_whole_completion_bytes_per_step"] == 4 * 768 * kv_per_token
+    columns = sum(size["completion_columns_read"] for size in detail["sizes"])
+    assert columns >= sum(n * (n - 1) // 2 for n in ROLLOUT_LENGTHS)
+    in_steps = sum(size["steps"] * (size["bytes_per_step"]
+                                    - size["kernel_whole_completion_bytes_per_step"])
+                   for size in detail["sizes"]) + columns * kv_per_token
     assert in_steps < detail["bytes"] and detail["entry_bytes"] > 0
     # A step of fewer slots reads less: the same weights, fewer rows' caches.
     per_step = [size["bytes_per_step"] for size in detail["sizes"]]

@@ -429,6 +429,25 @@ class _Part(NamedTuple):
         return max(self.bytes / bandwidth, self.kernels * gpu_cost.SECONDS_PER_KERNEL)
 
 
+SEGMENTED_KERNEL = 'name = "segmented_decode_attention"'   # its pallas_call's backend_config
+
+
+def kernel_completion_bytes(program: gpu_cost.Program, computation: str) -> float:
+    """The bytes of the completion segments (a kernel's last two operands, K and V: updated in
+    place) that the slot engine's attention kernels in one run of ``computation`` take whole:
+    what `gpu_cost` counts them reading. 0 where the step has none (XLA's ops read them)."""
+    total = 0.0
+    for key, (launch, times) in program.cost(computation).launches.items():
+        if launch.kind != "Pallas kernel":
+            continue
+        where, name = key.split("#")[0].rsplit("/", 1)
+        call = program.module.instruction(where, name)
+        if SEGMENTED_KERNEL in call.attributes:
+            total += times * sum(program.module.instruction(where, operand).bytes
+                                 for operand in call.operands[-2:])
+    return total
+
+
 def slot_rollout(config: ml_collections.ConfigDict, mesh, lengths, *,
                  bandwidth: float) -> tuple[dict, dict]:
     """A whole rollout of ``config``'s batch by the slot engine (`slot_config`: as many slots as
@@ -495,23 +514,32 @@ def slot_rollout(config: ml_collections.ConfigDict, mesh, lengths, *,
     # the admission loop holds one admission as a run-time loop counted once (its body and two
     # tests): that goes, and the admissions are counted apart, their prefills left out.
     admit_once = prefill + check(admit) * 2
-    parts, steps = [], {}
+    parts, steps, whole_by_size = [], {}, {}
     for size, loop, trips in ([(sizes[0], admission, schedule.admission_trips)]
                               + [(n, tails[n], schedule.tail_trips[n]) for n in sizes]):
         chunks = inner(loop, slot_engine.REFILL_EVERY)
         if len(chunks) != 1 or reads_head(chunks[0]) != 1:
             raise ValueError(f"a loop of the slot engine's program ({loop.name}) holds no chunk of "
                              f"{slot_engine.REFILL_EVERY} decode steps")
-        steps.setdefault(size, _Part.of(program.cost(chunks[0].body)))
-        trip = _Part.of(program.trip(loop)) - (admit_once if loop is admission else _Part(0, 0))
+        step = _Part.of(program.cost(chunks[0].body))
+        # The attention kernel reads each slot's completion only to the slot's column (its loop's
+        # trip count): the bytes of its operands whole go, the columns the schedule reads come.
+        whole = kernel_completion_bytes(program, chunks[0].body)
+        steps.setdefault(size, step)
+        whole_by_size[size] = whole
+        trip = (_Part.of(program.trip(loop)) - _Part(whole * slot_engine.REFILL_EVERY, 0)
+                - (admit_once if loop is admission else _Part(0, 0)))
         parts += [(trip, trips), (check(loop), 1)]
     parts.append((check(admit), schedule.admission_trips + schedule.groups))
+    kept = int(lengths.sum())
+    floor, kv_per_token = rollout_floor_bytes(config, mesh, generate.weights, lengths)
+    for size in sizes:   # what the kernels read, a slot's columns at a time (one kernel per layer)
+        if whole_by_size[size]:
+            parts.append((_Part(kv_per_token, 0.0), schedule.columns_read.get(size, 0)))
     entry_own = _Part.of(program.cost()) - sum(
         (_Part.of(program.trip(loop)) + check(loop) for loop in top), _Part(0.0, 0.0))
     parts.append((entry_own, 1))   # the state's set-up, the compactions, the outputs
     decode = sum((part * times for part, times in parts), _Part(0.0, 0.0))
-    kept = int(lengths.sum())
-    floor, kv_per_token = rollout_floor_bytes(config, mesh, generate.weights, lengths)
     figures = dict(bytes_per_kept_token=decode.bytes / kept,
                    floor_bytes_per_kept_token=floor / kept,
                    kernels_per_kept_token=decode.kernels / kept,
@@ -521,7 +549,10 @@ def slot_rollout(config: ml_collections.ConfigDict, mesh, lengths, *,
                   tokens_per_chunk=slot_engine.REFILL_EVERY,
                   admission_trips=schedule.admission_trips, groups=schedule.groups,
                   sizes=[dict(slots=n, steps=schedule.steps[n], bytes_per_step=steps[n].bytes,
-                              kernels_per_step=steps[n].kernels) for n in sizes],
+                              kernels_per_step=steps[n].kernels,
+                              kernel_whole_completion_bytes_per_step=whole_by_size[n],
+                              completion_columns_read=schedule.columns_read.get(n, 0))
+                         for n in sizes],
                   bytes=decode.bytes, kernels=decode.kernels, host_syncs=decode.host_syncs,
                   entry_bytes=entry_own.bytes, prefill_bytes_per_group=prefill.bytes,
                   prefill_tokens=schedule.groups * rl.max_prompt_length, floor_bytes=floor,

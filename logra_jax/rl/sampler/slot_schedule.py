@@ -14,9 +14,11 @@ step, as the program takes them:
   executed size halves, down to 1.
 
 A row of length L draws its first token from its group's prefill and L − 1 more in decode steps;
-it stops after the step that draws its last token, and its slot idles to the chunk's end. So
-`launch.cost` can count a rollout's steps at each executed size without running it, and a test
-checks the replay against the engine's own ``token_steps``.
+it stops after the step that draws its last token, and its slot idles to the chunk's end. A
+step of slot s writes its column cₛ and attends to columns 0 … cₛ of its own completion (a slot
+that has ended keeps its last column). So `launch.cost` can count a rollout's steps at each
+executed size, and the completion columns they read, without running it; a test checks the
+replay against the engine's own ``token_steps``.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ class SlotSchedule:
     refill_every: int                # decode steps per chunk
     groups: int                      # groups admitted, one prefill each
     token_steps: np.ndarray          # per row, as `SampleOutput.token_steps`
+    columns_read: dict[int, int]     # executed size → Σ over its steps and slots of the
+                                     # completion columns a slot attends to (its column + 1)
 
     @property
     def steps(self) -> dict[int, int]:
@@ -77,6 +81,7 @@ def replay(lengths, *, group_size: int, slots: int, prompt_slots: int,
     members = np.full((prompt_slots, group_size), slots)   # slots: none
     token_steps = np.zeros(batch, np.int64)
     next_group = 0
+    columns_read: dict[int, int] = {}
 
     def release():
         held = np.append(live, False)[members]
@@ -86,6 +91,7 @@ def replay(lengths, *, group_size: int, slots: int, prompt_slots: int,
         for _ in range(refill_every):
             held = row[:n] < batch
             np.add.at(token_steps, row[:n][held], 1)
+            columns_read[n] = columns_read.get(n, 0) + int(np.sum(column[:n] + 1))
             going = live[:n].copy()
             column[:n][going] += 1
             ends = going & (column[:n] + 1 >= lengths[np.minimum(row[:n], batch - 1)])
@@ -124,4 +130,5 @@ def replay(lengths, *, group_size: int, slots: int, prompt_slots: int,
             chunk(size)
             trips += 1
         tail_trips[size] = trips
-    return SlotSchedule(sizes, admission_trips, tail_trips, refill_every, groups, token_steps)
+    return SlotSchedule(sizes, admission_trips, tail_trips, refill_every, groups, token_steps,
+                        columns_read)
