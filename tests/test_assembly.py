@@ -68,7 +68,7 @@ def _same(planned, built, what: str) -> None:
 def test_the_planners_state_is_the_trainers(name, optimizer, monkeypatch):
     config = small_config(name, monkeypatch)
     config.optimizer.name = optimizer
-    parts = assembly.prepare(config).build()
+    parts = assembly.Recipe.checked(config).build()
     plan = plan_lib.plan(config)   # the planners' own meshes: the trainer's
     assert (plan.mesh, plan.rollout_mesh) == (parts.mesh, parts.rollout_mesh)
     params, opt_state = parts.init_state()
@@ -112,7 +112,7 @@ def test_a_run_without_a_kl_term_plans_no_reference():
     from logra_jax.perf import memory
     config = tiny.get_config()
     config.rl.beta = 0.1
-    parts = assembly.prepare(config).build()
+    parts = assembly.Recipe.checked(config).build()
     plan = assembly.Recipe.of(config).abstract(parts.mesh)
     assert parts.reference_params is None and plan.reference is None
     assert memory.rl_resident_bytes(config, parts.mesh, parts.mesh).reference == 0

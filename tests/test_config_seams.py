@@ -38,7 +38,7 @@ def _logits(policy, params, seqs):
 def _plan(config):
     """The run's parts from shapes (`Recipe.abstract`): its policy, optimizer and update, as the
     trainer assembles them, without building or compiling anything."""
-    recipe = assembly.prepare(config)
+    recipe = assembly.Recipe.checked(config)
     mesh, rollout_mesh = recipe.meshes()
     return recipe, recipe.abstract(mesh, rollout_mesh)
 
@@ -82,7 +82,7 @@ def test_the_runs_galore_applies_its_configured_scale(tiny_model):
     def first_update(scale):
         config = tiny_config(dict(optimizer=dict(name="galore", galore=dict(
             scale=scale, rank=4, targets=TARGETS, projector="randomized"))))
-        tx = assembly.prepare(config).optimizer.tx
+        tx = assembly.Recipe.checked(config).optimizer.tx
         updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
         return dict(leaves_with_paths(jax.device_get(updates)))
 

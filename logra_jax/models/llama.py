@@ -584,9 +584,99 @@ class Decoder(nnx.Module):
         A sampler's prompt of 512 tokens under a 2048-slot cache held 4× the scores without it.
         kernels: a decode step (one token, per-layer weights and cache) on a GPU with each layer's
         norms and attention as the kernels of decode_kernels.py (`decode_kernels.fits` the model).
+
+        Three ways through the layers, one method each, picked by what is passed:
+          no cache, no ``layers``   `_scanned`: the stack under one scan (training, scoring);
+          a cache, no ``layers``    `_scanned_into_cache`: the scan writes each layer's keys and
+                                    values into the stacked cache (a prefill, a stacked decode step);
+          ``layers``                `_layer_by_layer`: per-layer weights and cache, one layer after
+                                    the other (the sampler's decode loop, its GPU kernels).
         """
-        c = self.config
         layer_probes = self._per_layer_probes(probes)
+        tokens, segment_mask, positions = self._checked_inputs(tokens, segment_mask, positions, cache)
+        b, t = tokens.shape
+        if cache is not None:
+            self._check_cache(cache, b, t, prefill=prefill, per_layer=layers is not None)
+        if kernels and (cache is None or layers is None or t != 1
+                        or not decode_kernels.fits(self.config)):
+            raise ValueError("kernels=True is for a decode step (one token) of per-layer weights "
+                             "and cache, of a model decode_kernels.fits")
+
+        if layers is not None:
+            x, new_kv, new_mask = self._layer_by_layer(tokens, positions, segment_mask, layer_probes,
+                                                       cache, layers, prefill, kernels)
+        elif cache is not None:
+            x, new_kv, new_mask = self._scanned_into_cache(tokens, positions, segment_mask,
+                                                           layer_probes, cache, prefill)
+        else:
+            x = self._scanned(tokens, positions, segment_mask, layer_probes)
+        x = self.norm(x)
+        out = x if return_hidden else self.logits(x)
+        if cache is None:
+            return out
+        return out, KVCache(k=new_kv[0], v=new_kv[1], index=(cache.index + t).astype(jnp.int32),
+                            mask=new_mask)
+
+    # The three ways through the layers ------------------------------------------------------ #
+    def _scanned(self, tokens, positions, segment_mask, layer_probes) -> jax.Array:
+        """No cache: the stacked layers under one ``jax.lax.scan`` over the whole sequence; with
+        ``remat`` the backward recomputes each layer from its input instead of keeping its
+        activations. Returns the last layer's output [b, t, d]."""
+        mask, _, query_slot, key_slot = self._attention_mask(segment_mask, None, False)
+        x = self._embedded(tokens)
+        layer = self._layer_fn(positions, mask, query_slot, key_slot, write_index=0)
+        if self.config.remat:
+            layer = jax.checkpoint(layer, prevent_cse=False)
+        x, _ = jax.lax.scan(layer, x, (self._stacked_params(), layer_probes, None,
+                                       jnp.asarray(self.config.sliding_layers)))
+        return x
+
+    def _scanned_into_cache(self, tokens, positions, segment_mask, layer_probes, cache, prefill):
+        """A chunk written into the stacked cache: (last layer's output, (K, V) stacks, cache mask).
+
+        The cache stack rides in the scan's carry and each layer writes its chunk into it in place
+        (`write_kv`), so the stack exists once: as the scan's output instead, every layer's whole
+        cache would be copied into a new stack, every token."""
+        mask, new_mask, query_slot, key_slot = self._attention_mask(segment_mask, cache, prefill)
+        x = self._embedded(tokens)
+        layer = self._layer_fn(positions, mask, query_slot, key_slot, write_index=cache.index,
+                               chunk_keys=prefill)
+
+        def layer_with_cache(carry, per_layer):
+            h, kv = carry
+            params, probes_l, sliding_l, index = per_layer
+            h, kv = layer(h, (params, probes_l, kv, sliding_l), index)
+            return (h, kv), None
+
+        (x, new_kv), _ = jax.lax.scan(
+            layer_with_cache, (x, (cache.k, cache.v)),
+            (self._stacked_params(), layer_probes, jnp.asarray(self.config.sliding_layers),
+             jnp.arange(self.config.num_layers, dtype=jnp.int32)))
+        return x, new_kv, new_mask
+
+    def _layer_by_layer(self, tokens, positions, segment_mask, layer_probes, cache, layers,
+                        prefill, kernels):
+        """Per-layer weights (`unstacked_layers`) and cache (`KVCache.unstacked`), the layers run
+        one after the other, each reading its own weight and cache arrays in place: (last layer's
+        output, (K, V) tuples of one array per layer, cache mask). ``kernels``: each layer's norms
+        and attention as decode_kernels.py's kernels."""
+        mask, new_mask, query_slot, key_slot = self._attention_mask(segment_mask, cache, prefill)
+        x = self._embedded(tokens)
+        layer = self._layer_fn(positions, mask, query_slot, key_slot,
+                               write_index=0 if cache is None else cache.index,
+                               chunk_keys=prefill and cache is not None, kernels=kernels)
+        kvs = (None,) * len(layers) if cache is None else tuple(zip(cache.k, cache.v))
+        x, new_kvs = self._run_per_layer(x, layer, layers, layer_probes, kvs,
+                                         jnp.asarray(self.config.sliding_layers))
+        if cache is None:
+            return x, None, None
+        return x, (tuple(k for k, _ in new_kvs), tuple(v for _, v in new_kvs)), new_mask
+
+    # What the three share with each other and with `decode_segments` ----------------------- #
+    @staticmethod
+    def _checked_inputs(tokens, segment_mask, positions, cache):
+        """(tokens, segment_mask, positions) as arrays of shape [b, t], the defaults filled in: every
+        token real, positions counting on from the cache's index."""
         tokens = jnp.asarray(tokens)
         if tokens.ndim != 2:
             raise ValueError(f"tokens must be [batch, time], got shape {tokens.shape}")
@@ -602,42 +692,72 @@ class Decoder(nnx.Module):
         positions = jnp.asarray(positions)
         if positions.shape != (b, t):
             raise ValueError(f"positions shape {positions.shape} != tokens shape {(b, t)}")
+        return tokens, segment_mask, positions
 
+    @staticmethod
+    def _check_cache(cache: KVCache, b: int, t: int, *, prefill: bool, per_layer: bool) -> None:
+        """Refuses a cache that ``t`` tokens of ``b`` rows do not fit (its index checked where it is
+        known while tracing), a prefill into a cache that is not empty, and per-layer weights with
+        a stacked cache or the other way round."""
+        if cache.batch_size != b:
+            raise ValueError(f"cache batch {cache.batch_size} != tokens batch {b}")
+        if t > cache.max_len:
+            raise ValueError(f"{t} tokens do not fit a cache of {cache.max_len} slots")
+        if not isinstance(cache.index, jax.core.Tracer) and int(cache.index) + t > cache.max_len:
+            raise ValueError(f"cache overflow: index {int(cache.index)} + {t} tokens > "
+                             f"{cache.max_len} slots")
+        if prefill and not isinstance(cache.index, jax.core.Tracer) and int(cache.index):
+            raise ValueError(f"prefill=True needs an empty cache, got index {int(cache.index)}")
+        if per_layer != cache.per_layer:
+            raise ValueError("per-layer weights (layers=) go with a per-layer cache "
+                             "(KVCache.unstacked()) and the other way round")
+
+    @staticmethod
+    def _attention_mask(segment_mask, cache, prefill):
+        """(mask [b, t, keys], the cache's mask after this chunk or None, query slots [t], key
+        slots [keys]): query slot i sees key slot j when j ≤ i and j holds a real token. Without a
+        cache the keys are the chunk's own; with one, every slot of the cache, or with ``prefill``
+        the chunk's own again (written at slots [0, t) of the empty cache)."""
+        t = segment_mask.shape[1]
         if cache is None:
             query_slot = key_slot = jnp.arange(t)
-            mask = (key_slot[None, :] <= query_slot[:, None])[None] & segment_mask[:, None, :]
-            kv_stack, new_mask = None, None
-        else:
-            if cache.batch_size != b:
-                raise ValueError(f"cache batch {cache.batch_size} != tokens batch {b}")
-            if t > cache.max_len:
-                raise ValueError(f"{t} tokens do not fit a cache of {cache.max_len} slots")
-            if not isinstance(cache.index, jax.core.Tracer) and int(cache.index) + t > cache.max_len:
-                raise ValueError(f"cache overflow: index {int(cache.index)} + {t} tokens > "
-                                 f"{cache.max_len} slots")
-            if prefill and not isinstance(cache.index, jax.core.Tracer) and int(cache.index):
-                raise ValueError(f"prefill=True needs an empty cache, got index {int(cache.index)}")
-            new_mask = jax.lax.dynamic_update_slice(cache.mask, segment_mask, (0, cache.index))
-            query_slot = cache.index + jnp.arange(t)
-            key_slot = jnp.arange(t if prefill else cache.max_len)
-            key_mask = segment_mask if prefill else new_mask
-            mask = (key_slot[None, :] <= query_slot[:, None])[None] & key_mask[:, None, :]
-            kv_stack = (cache.k, cache.v)
-            if (layers is not None) != cache.per_layer:
-                raise ValueError("per-layer weights (layers=) go with a per-layer cache "
-                                 "(KVCache.unstacked()) and the other way round")
-        if kernels and (cache is None or layers is None or t != 1 or not decode_kernels.fits(c)):
-            raise ValueError("kernels=True is for a decode step (one token) of per-layer weights "
-                             "and cache, of a model decode_kernels.fits")
+            return ((key_slot[None, :] <= query_slot[:, None])[None] & segment_mask[:, None, :],
+                    None, query_slot, key_slot)
+        new_mask = jax.lax.dynamic_update_slice(cache.mask, segment_mask, (0, cache.index))
+        query_slot = cache.index + jnp.arange(t)
+        key_slot = jnp.arange(t if prefill else cache.max_len)
+        key_mask = segment_mask if prefill else new_mask
+        mask = (key_slot[None, :] <= query_slot[:, None])[None] & key_mask[:, None, :]
+        return mask, new_mask, query_slot, key_slot
 
-        x = shard_batch(self.embed_tokens(tokens))
-        cos, sin = rotary_cos_sin(positions, inverse_frequencies(c.head_dim, c.rope_theta, c.rope_scaling),
-                                  c.compute_dtype)
-        graphdef, layer_params = nnx.split(self.layers)
-        sliding = jnp.asarray(c.sliding_layers)
+    def _embedded(self, tokens: jax.Array) -> jax.Array:
+        """The tokens' embeddings [b, t, d], split by rows (`shard_batch`)."""
+        return shard_batch(self.embed_tokens(tokens))
+
+    def _rotary(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """RoPE's (cos, sin) at ``positions`` with the model's own base (a full layer's)."""
+        c = self.config
+        return rotary_cos_sin(positions, inverse_frequencies(c.head_dim, c.rope_theta,
+                                                             c.rope_scaling), c.compute_dtype)
+
+    def _stacked_params(self) -> nnx.State:
+        """The layer stack's parameters, each with its leading layer axis (what the scans slice)."""
+        return nnx.split(self.layers)[1]
+
+    def _layer_fn(self, positions, mask, query_slot, key_slot, *, write_index,
+                  chunk_keys: bool = False, kernels: bool = False):
+        """``layer(h, (params, probes, kv, sliding), stack_index=None)`` → (h, kv): one `Block` of
+        this pass, merged from its ``params``, with the RoPE and the mask of its type.
+
+        Gemma 3's sliding layers: key slot j is visible from query slot i when i − W < j ≤ i (as
+        Hugging Face's sliding_window_overlay), and they rotate with their own RoPE base; the
+        layer's ``sliding`` flag (scanned with the stack) picks between the two.
+        ``write_index``, ``chunk_keys``, ``stack_index``, ``kernels``: the cache slot this chunk is
+        written at, and `Attention`'s arguments of the same meaning."""
+        c = self.config
+        cos, sin = self._rotary(positions)
+        graphdef, _ = nnx.split(self.layers)
         if any(c.sliding_layers):
-            # Sliding layers: key slot j is visible from query slot i when i − W < j ≤ i (as
-            # Hugging Face's sliding_window_overlay), and they rotate with their own RoPE base.
             window = key_slot[None, :] > query_slot[:, None] - c.sliding_window
             local_rope = rotary_cos_sin(positions, inverse_frequencies(
                 c.head_dim, c.rope_local_theta or c.rope_theta), c.compute_dtype)
@@ -649,45 +769,22 @@ class Decoder(nnx.Module):
             if any(c.sliding_layers):
                 cos_l, sin_l = (jnp.where(sliding_l, a, b) for a, b in zip(local_rope, (cos, sin)))
                 mask_l = mask & (window[None] | ~sliding_l)
-            return block(shard_batch(h), cos_l, sin_l, mask_l, probes_l, kv_l, offset,
-                         prefill and cache is not None, stack_index, kernels)
+            return block(shard_batch(h), cos_l, sin_l, mask_l, probes_l, kv_l, write_index,
+                         chunk_keys, stack_index, kernels)
 
-        if layers is not None:
-            # Decoding with per-layer weights (unstacked_layers): the layers run one after the
-            # other, each reading its own weight and cache arrays in place.
-            new_k, new_v = [], []
-            for i, params_i in enumerate(layers):
-                probes_i = jax.tree.map(lambda a: a[i], layer_probes)
-                kv_i = None if cache is None else (cache.k[i], cache.v[i])
-                x, kv_i = layer(x, (params_i, probes_i, kv_i, sliding[i]))
-                if kv_i is not None:
-                    new_k.append(kv_i[0])
-                    new_v.append(kv_i[1])
-            new_kv = (tuple(new_k), tuple(new_v))
-        elif cache is not None:
-            # The cache stack rides in the scan's carry and each layer writes its chunk into it
-            # in place (`write_kv`), so the stack exists once: as the scan's output instead, every
-            # layer's whole cache would be copied into a new stack, every token.
-            def layer_with_cache(carry, per_layer):
-                h, kv = carry
-                params, probes_l, sliding_l, index = per_layer
-                h, kv = layer(h, (params, probes_l, kv, sliding_l), index)
-                return (h, kv), None
+        return layer
 
-            (x, new_kv), _ = jax.lax.scan(
-                layer_with_cache, (x, kv_stack),
-                (layer_params, layer_probes, sliding, jnp.arange(c.num_layers, dtype=jnp.int32)))
-        else:
-            if c.remat:
-                # Backward recomputes each layer from its input instead of keeping its activations.
-                layer = jax.checkpoint(layer, prevent_cse=False)
-            x, _ = jax.lax.scan(layer, x, (layer_params, layer_probes, None, sliding))
-        x = self.norm(x)
-        out = x if return_hidden else self.logits(x)
-        if cache is None:
-            return out
-        return out, KVCache(k=new_kv[0], v=new_kv[1], index=(cache.index + t).astype(jnp.int32),
-                            mask=new_mask)
+    @staticmethod
+    def _run_per_layer(x, layer, layers, layer_probes, kvs, sliding):
+        """``layer`` (`_layer_fn`) over per-layer weights ``layers``, each with its slice of the
+        stacked probes, its own ``kvs[i]`` (a layer's cache, a `SegmentKV`, or None) and its flag
+        ``sliding[i]``: (output, [each layer's kv after the step])."""
+        written = []
+        for i, params_i in enumerate(layers):
+            probes_i = jax.tree.map(lambda a: a[i], layer_probes)
+            x, kv_i = layer(x, (params_i, probes_i, kvs[i], sliding[i]))
+            written.append(kv_i)
+        return x, written
 
     def decode_segments(self, tokens: jax.Array, positions: jax.Array,
                         segments: tuple[SegmentKV, ...], *, layers, probes=None):
@@ -699,19 +796,14 @@ class Decoder(nnx.Module):
         slot's completion its own). layers: per-layer weights (`unstacked_layers`), run one
         after the other as a per-layer decode step does. probes: as in `__call__`.
         """
-        c = self.config
-        if any(c.sliding_layers):
+        if any(self.config.sliding_layers):
             raise ValueError("the slot engine does not decode sliding-window layers (Gemma 3) yet; "
                              "set rl.rollout_engine='static' for this model")
         layer_probes = self._per_layer_probes(probes)
-        x = shard_batch(self.embed_tokens(tokens[:, None]))
-        cos, sin = rotary_cos_sin(positions[:, None], inverse_frequencies(
-            c.head_dim, c.rope_theta, c.rope_scaling), c.compute_dtype)
-        graphdef, _ = nnx.split(self.layers)
-        written = []
-        for i, (params_i, segments_i) in enumerate(zip(layers, segments)):
-            block = nnx.merge(graphdef, params_i)
-            probes_i = jax.tree.map(lambda a: a[i], layer_probes)
-            x, segments_i = block(shard_batch(x), cos, sin, None, probes_i, segments_i, None)
-            written.append(segments_i)
+        x = self._embedded(tokens[:, None])
+        # One token per slot: the segments bound what each slot attends to (no mask, no slot).
+        layer = self._layer_fn(positions[:, None], None, None, None, write_index=None)
+        # No layer slides (refused above): the flags stay Python's, nothing for the trace to hold.
+        x, written = self._run_per_layer(x, layer, layers, layer_probes, segments,
+                                         self.config.sliding_layers)
         return self.norm(x)[:, 0], tuple(written)

@@ -1,7 +1,7 @@
 """A run's parts from its config, assembled once: as arrays for the trainer, as shapes for the planner.
 
-    recipe = prepare(config)          the config checked (the one place it is), its algorithm
-                                      and its optimizer chosen and built
+    recipe = Recipe.checked(config)   the config checked (`config.validate`), its algorithm and
+                                      its optimizer chosen and built (`Recipe.of`: unchecked)
     parts = recipe.build()            RunParts: the model's weights, the reference model, the
                                       jitted update and the sampler on the run's devices (training)
     plan = recipe.abstract(mesh)      AbstractRun: the same parts from the model's shapes alone,
@@ -217,21 +217,22 @@ class Recipe:
     @classmethod
     def of(cls, config: ml_collections.ConfigDict) -> Recipe:
         """The recipe of ``config`` as it is, unchecked: what a memory plan reads (a plan may
-        name a shape without weights, or rollout devices a run would need a sync for). A run is
-        prepared with `prepare`."""
+        name a shape without weights, or rollout devices a run would need a sync for), and what
+        `launch.train` makes of a config it checked before jax was imported. A run's own config
+        is checked first: `checked`."""
         algorithm = algorithms.get(config.rl.algorithm)
         optimizer = optimizers.build(config.optimizer, replayed_merge=build.replays_merge(config))
         mode = sync.placed_mode(config.sync.mode, not config.sync.rollout_devices)
         return cls(config, algorithm, optimizer, rows_per_step(config), mode)
 
-
-def prepare(config: ml_collections.ConfigDict) -> Recipe:
-    """The recipe of a run: ``config`` checked (`build.validate`: every value, the rules that span
-    keys, the chosen algorithm's and optimizer's own) and its optimizer built, before any model: a
-    bad value or a mismatch between sections is refused in a moment. `launch.train` does the same
-    in two halves, the check before jax is imported and `Recipe.of` after it."""
-    build.validate(config)
-    return Recipe.of(config)
+    @classmethod
+    def checked(cls, config: ml_collections.ConfigDict) -> Recipe:
+        """The recipe of a run: ``config`` checked (`build.validate`: every value, the rules that
+        span keys, the chosen algorithm's and optimizer's own), then `of`, before any model: a bad
+        value or a mismatch between sections is refused in a moment. `launch.train` does the same
+        in two halves, the check before jax is imported and `of` after it."""
+        build.validate(config)
+        return cls.of(config)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -380,5 +381,5 @@ class RunParts:
 
 
 def build_run(config: ml_collections.ConfigDict) -> RunParts:
-    """`prepare(config).build()`: a checked config's parts, on this process's devices."""
-    return prepare(config).build()
+    """`Recipe.checked(config).build()`: a checked config's parts, on this process's devices."""
+    return Recipe.checked(config).build()

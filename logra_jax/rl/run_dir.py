@@ -99,7 +99,7 @@ class RunDir:
         self.decode_mode: str | None = None    # the sampler's resolved decode program
         self._config_recorded = False
         self._created_root = workdir_lib.missing_root(workdir)   # the outermost folder created
-        self.path = workdir_lib.prepare(workdir)
+        self.path = workdir_lib.make_folder(workdir)
         try:
             # Every process the same config and workdir, before anything is written there.
             self.agree("the start of the run", config=shared_config(config),

@@ -1,10 +1,14 @@
 """The RL training loop: rollout → rewards → advantages → reference log-probs → policy update.
 
-`Run(config, workdir)` is the job behind ``python -m launch.train`` (which adds its one-line
-errors and signal exits around it; `train` is the same without them, for code). It reads top to
-bottom like the loop it runs (big_vision style): assemble the run's parts from the config
-(rl/assembly.py), resume if the workdir holds a checkpoint (the workdir's side of a run — lock,
-history, checkpoints, config.json, metrics writer, the decode program's record — is
+`Run(config, workdir)` is the job behind ``python -m launch.train``, which checks the config and
+the workdir's path before jax is imported, builds the `Run` from that checked recipe, calls its
+`loop` and `close`, and ends each anticipated error or signal as one line and an exit status.
+`train(config, workdir)` is the same run for code (tests, launch.rl_step_time): `Run` (which then
+checks the config itself), `loop` and `close`, its errors raised as they are.
+
+`Run` reads top to bottom like the loop it runs (big_vision style): assemble the run's parts from
+the config (rl/assembly.py), resume if the workdir holds a checkpoint (the workdir's side of a
+run — lock, history, checkpoints, config.json, metrics writer, the decode program's record — is
 rl/run_dir.py's `RunDir`), then per step
 
   1. take prompts from the data iterator and sample completions with the rollout engine,
@@ -92,7 +96,7 @@ class Run:
     config, or metrics without a checkpoint).
 
     ``recipe``: ``config`` prepared already (`assembly.Recipe.of` of a config that passed
-    `config.validate`), so it is not checked twice; default `assembly.prepare(config)`.
+    `config.validate`), so it is not checked twice; default `assembly.Recipe.checked(config)`.
 
     A run that ends before its first step (refused, failed, or stopped by a signal) leaves the
     workdir as it found it: the entries it created are removed, and so is a workdir it created.
@@ -112,7 +116,7 @@ class Run:
         # What can be checked in a moment is checked before the model is built, and before
         # anything in the workdir is written.
         if recipe is None:   # given, the config was checked already (launch.train: before jax)
-            recipe = assembly.prepare(config)
+            recipe = assembly.Recipe.checked(config)
         if parts is None:   # given parts were built from a config that passed the shape checks
             recipe.check_shapes()
         # Creates the workdir, agrees with the other processes, takes the lock.
@@ -366,7 +370,8 @@ class Run:
 
 def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,
           fresh: bool = False) -> dict[str, Any]:
-    """Runs (or resumes) the job; returns the last step's metrics."""
+    """Runs (or resumes) the job of ``launch.train`` without its one-line errors, signal exits and
+    printed summary: `Run`, `Run.loop`, `Run.close`. Returns the last step's metrics row."""
     run = Run(config, workdir, fresh=fresh)
     try:
         return run.loop()

@@ -4,9 +4,9 @@ A workdir holds ``checkpoints/`` (orbax), ``config.json`` (the config the run st
 ``metrics.jsonl`` and ``tensorboard/``. Before anything is built:
 
 - `check_path` refuses an empty path and one that starts with ``~`` (the shell expands it only at
-  the start of a word), before anything is imported or created; `prepare` then refuses a file, a
-  folder that cannot be created or written, and entries of the wrong kind (a ``checkpoints`` that
-  is a file, a ``metrics.jsonl`` that is a folder);
+  the start of a word), before anything is imported or created; `make_folder` then makes the
+  folder, refusing a file, a folder that cannot be created or written, and entries of the wrong
+  kind (a ``checkpoints`` that is a file, a ``metrics.jsonl`` that is a folder);
 - `WorkdirLock` takes an exclusive lock on ``.lock`` for the run's life (one per run: process 0
   takes it), so a second run on the same workdir is refused naming the first's pid and host;
 - `History` reads what an earlier run left and refuses what cannot continue it: a resume with a
@@ -67,7 +67,7 @@ def check_path(workdir: str | os.PathLike) -> None:
 
 
 def missing_root(workdir: str | os.PathLike) -> pathlib.Path | None:
-    """The outermost folder of ``workdir``'s path that does not exist yet (what `prepare` would
+    """The outermost folder of ``workdir``'s path that does not exist yet (what `make_folder` would
     create, for a failed run to take back), or None when the workdir exists."""
     path = pathlib.Path(workdir)
     missing = None
@@ -75,7 +75,7 @@ def missing_root(workdir: str | os.PathLike) -> pathlib.Path | None:
         try:
             if folder.exists() or folder.is_symlink():
                 break
-        except OSError:   # a name too long for the filesystem: `prepare` names it
+        except OSError:   # a name too long for the filesystem: `make_folder` names it
             return None
         missing = folder
     return missing
@@ -96,8 +96,8 @@ def remove_created(workdir: pathlib.Path, root: pathlib.Path | None) -> None:
             return
 
 
-def prepare(workdir: str | os.PathLike) -> pathlib.Path:
-    """The workdir as a folder this process can write (created if missing), its entries of the
+def make_folder(workdir: str | os.PathLike) -> pathlib.Path:
+    """The workdir as a folder this process can write (made if missing), its entries of the
     kind a run writes; ValueError naming the path otherwise."""
     check_path(workdir)
     path = pathlib.Path(workdir)
