@@ -166,3 +166,42 @@ def test_kernels_refuse_a_model_they_do_not_fit():
     with pytest.raises(ValueError, match="kernels=True"):
         model(jnp.zeros((1, 1), jnp.int32), cache=cache, layers=model.unstacked_layers(),
               kernels=True)
+
+
+def test_the_slot_engine_with_the_kernels_draws_the_same_tokens():
+    """The slot engine (`slots.generate_in_slots`) with each step's norms and attention as the
+    kernels (`segmented_decode_attention`: rotations, the completion write and both segments'
+    attention; per-layer weights with q, k and v as one, Qwen's biases added in the kernel)
+    against XLA's ops: 4 groups of 2 rows through 4 slots, refilled as rows end. The same
+    tokens, and log-probs to the chain of sums each passes through."""
+    from logra_jax.rl.sampler import pad_prompts
+    from logra_jax.rl.sampler.slots import generate_in_slots
+    config = dataclasses.replace(tiny(), qkv_bias=True)
+    model = Decoder(config, rngs=nnx.Rngs(0))
+    attention = model.layers.self_attn
+    for i, proj in enumerate((attention.q_proj, attention.k_proj, attention.v_proj)):
+        proj.bias[...] = jax.random.normal(jax.random.PRNGKey(10 + i), proj.bias.shape)
+    graphdef, state = nnx.split(model)
+    prompts = [[5, 6, 7], [9, 10, 11, 12], [3], [40, 41]]
+    tokens, mask = pad_prompts([p for p in prompts for _ in range(2)], 6, 0)
+    columns = 12
+    limits = jnp.array([1, 12, 5, 9, 12, 2, 7, 12], jnp.int32)   # rows end far apart
+
+    @functools.partial(jax.jit, static_argnames="kernels")
+    def sample(state, kernels):
+        m = nnx.merge(graphdef, state)
+        return generate_in_slots(
+            m, {}, tokens, mask, jax.random.key(3), jnp.float32(1.0), group_size=2, slots=4,
+            prompt_slots=4, max_completion_length=columns, eos_ids=(2,), pad_id=0, top_k=0,
+            top_p=1.0, greedy=False, limits=limits,
+            layers=m.unstacked_layers(fuse_qkv=kernels), kernels=kernels)
+
+    got, want = sample(state, True), sample(state, False)
+    np.testing.assert_array_equal(got.mask, want.mask)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    np.testing.assert_array_equal(got.token_steps, want.token_steps)
+    c, keys = config, 6 + columns
+    per_layer = (c.hidden_size, c.hidden_size, c.head_dim, keys, keys, c.num_heads * c.head_dim,
+                 c.hidden_size, c.hidden_size, c.intermediate_size)
+    chain = per_layer * c.num_layers + (c.hidden_size, c.hidden_size, c.vocab_size)
+    assert_close_up_to_order(got.logprobs, want.logprobs, chain)

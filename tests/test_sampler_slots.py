@@ -1,6 +1,7 @@
 """The slot engine (rl/sampler/slots.py) against the static engine, and its two-segment attention
 (models/kv_segments.py) against one softmax over the concatenated keys."""
 
+import dataclasses
 import math
 
 import jax
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from logra_jax.models import Decoder
+from logra_jax.models import Decoder, decode_kernels
 from logra_jax.models.config import tiny
 from logra_jax.models.kv_segments import BLOCK, SegmentKV, segmented_attention
 from logra_jax.rl.policy import Policy
@@ -159,8 +160,19 @@ def test_two_segments_merged_by_log_sum_exp_are_one_softmax(read):
     k_new = jax.random.normal(jax.random.key(2), (slots, kv, d))
     v_new = jax.random.normal(jax.random.key(3), (slots, kv, d))
     scale = 1 / math.sqrt(d)
-    out, written = jax.jit(segmented_attention, static_argnums=(4, 5))(q, k_new, v_new, segments,
-                                                                        scale, read)
+    if read == "kernel":   # q, k and v side by side, rotated by the identity (cos 1, sin 0)
+        qkv = jnp.concatenate([x.reshape(slots, -1) for x in (q, k_new, v_new)], axis=1)
+        ones = jnp.ones((slots, d))
+        out, completion_k, completion_v = jax.jit(
+            decode_kernels.segmented_decode_attention, static_argnames=("heads", "scale"))(
+            qkv, ones, ones * 0, segments.prompt_k, segments.prompt_v, segments.prompt_mask,
+            segments.completion_k, segments.completion_v, segments.group_of, segments.column,
+            heads=heads, scale=scale)
+        written = dataclasses.replace(segments, completion_k=completion_k,
+                                      completion_v=completion_v)
+    else:
+        out, written = jax.jit(segmented_attention, static_argnums=(4, 5))(
+            q, k_new, v_new, segments, scale, read)
     for s in range(slots):
         g, n = group_of[s], columns[s] + 1
         keys = np.concatenate([np.asarray(segments.prompt_k[g])[..., np.asarray(segments.prompt_mask[g])],

@@ -269,18 +269,21 @@ def decode_attention(qkv, cos, sin, cache_k, cache_v, mask, slot, *, heads: int,
 # -------------------------------------------------------------------------------------------------
 # Attention over two segments (the slot engine's cache)
 # -------------------------------------------------------------------------------------------------
-def segmented_decode_attention(q, k, v, prompt_k, prompt_v, prompt_mask, completion_k,
-                               completion_v, group_of, column, *, scale: float):
+def segmented_decode_attention(qkv, cos, sin, prompt_k, prompt_v, prompt_mask, completion_k,
+                               completion_v, group_of, column, *, heads: int,
+                               bias: jax.Array | None = None, scale: float | None = None):
     """One decode step's attention over the slot engine's two segments (`kv_segments`), as one
-    kernel; returns (out, completion_k, completion_v).
+    kernel: the rotations, the cache writes and the attention; returns (out, completion_k,
+    completion_v).
 
-    q [n, H, d] (rotated), k and v [n, KV, d]: the step's own query, key (rotated) and value for
-    the first n slots; prompt_k [Q, KV, d, P], prompt_v [Q, KV, P, d], prompt_mask [Q, P]: each
-    prompt slot's group's prompt; completion_k [S, KV, d, C], completion_v [S, KV, C, d] (S ≥ n):
-    each slot's own completion, updated in place (k and v written at the slot's ``column``);
-    group_of, column [n]: each slot's prompt slot and the completion column it writes.
+    qkv [n, (H + 2·KV)·d], cos, sin [n, d], ``heads``, ``bias`` and ``scale`` as
+    `decode_attention`'s, for the first n slots; prompt_k [Q, KV, d, P], prompt_v [Q, KV, P, d],
+    prompt_mask [Q, P]: each prompt slot's group's prompt; completion_k [S, KV, d, C],
+    completion_v [S, KV, C, d] (S ≥ n): each slot's own completion, updated in place (the step's
+    rotated k and its v written at the slot's ``column``); group_of, column [n]: each slot's
+    prompt slot and the completion column it writes.
 
-    out [n, H, d] (v's dtype) = softmax([q·K_p(g) | q·K_c(s)[≤ column]]·scale)·[V_p(g); V_c(s)]
+    out [n, H, d] (qkv's dtype) = softmax([q̃·K_p(g) | q̃·K_c(s)[≤ column]]·scale)·[V_p(g); V_c(s)]
     for slot s of group g: `kv_segments.segmented_attention`'s, one online softmax over the
     prompt's blocks and then the completion's (Milakov & Gimelshein 2018), the weights kept in
     fp32. One program per slot and query head: it reads its group's prompt, and its own
@@ -288,36 +291,67 @@ def segmented_decode_attention(q, k, v, prompt_k, prompt_v, prompt_mask, complet
     the longest row's). The first head of each KV group writes the slot's k and v; the own
     column is scored from k and v as computed, not read back from memory another program writes.
     """
-    n, heads, head_dim = q.shape
-    kv_heads, _, prompt_len = prompt_k.shape[1:]
+    n = qkv.shape[0]
+    kv_heads, head_dim, prompt_len = prompt_k.shape[1:]
     columns = completion_k.shape[3]
-    per_kv = heads // kv_heads
+    per_kv, half = heads // kv_heads, head_dim // 2
+    if qkv.shape[1] != (heads + 2 * kv_heads) * head_dim:
+        raise ValueError(f"segmented_decode_attention: qkv has {qkv.shape[1]} columns, not "
+                         f"(H + 2·KV)·d = {(heads + 2 * kv_heads) * head_dim}")
     if head_dim & (head_dim - 1) or head_dim < 2:
         raise ValueError(f"segmented_decode_attention needs a head_dim that is a power of two, "
                          f"got {head_dim}")
+    scale = 1 / math.sqrt(head_dim) if scale is None else scale
     prompt_block = min(SLOTS_PER_BLOCK, pl.next_power_of_2(prompt_len))
     block = min(SLOTS_PER_BLOCK, pl.next_power_of_2(columns))
     dtype = completion_k.dtype
     lowest = float(jnp.finfo(jnp.float32).min)
     every = pl.ds(0, head_dim)
 
-    def kernel(q_ref, k_ref, v_ref, pk_ref, pv_ref, pm_ref, group_ref, column_ref, _, __,
-               out_ref, ck_ref, cv_ref):
+    def kernel(*refs):
+        if bias is None:
+            (qkv_ref, cos_ref, sin_ref, pk_ref, pv_ref, pm_ref, group_ref, column_ref, _, __,
+             out_ref, ck_ref, cv_ref) = refs
+        else:
+            (qkv_ref, bias_ref, cos_ref, sin_ref, pk_ref, pv_ref, pm_ref, group_ref, column_ref,
+             _, __, out_ref, ck_ref, cv_ref) = refs
         # (the two unnamed inputs are the completion caches, the same buffers as ck_ref, cv_ref)
         slot, head = pl.program_id(0), pl.program_id(1)
         kv = head // per_kv
         g = group_ref[slot]
         at = jnp.clip(column_ref[slot], 0, columns - 1)
-        query = _load(q_ref, (slot, head, every)).astype(jnp.float32)
-        k_new = _load(k_ref, (slot, kv, every)).astype(dtype)
-        v_new = _load(v_ref, (slot, kv, every)).astype(dtype)
+        first, second = pl.ds(0, half), pl.ds(half, half)
+        cos1, cos2, sin1, sin2 = [_load(ref, (slot, part)) for ref in (cos_ref, sin_ref)
+                                  for part in (first, second)]
+
+        def columns_of(start, size):   # qkv[slot, start:start + size] (+ bias)
+            y = _load(qkv_ref, (slot, pl.ds(start, size)))
+            if bias is not None:
+                y = (y + _load(bias_ref, pl.ds(start, size)).astype(qkv.dtype)).astype(qkv.dtype)
+            return y
+
+        def halves(column):   # the head starting at ``column`` of qkv, as its two halves
+            return columns_of(column, half), columns_of(column + half, half)
+
+        q1, q2 = _rotate(*halves(head * head_dim), cos1, cos2, sin1, sin2, qkv.dtype)
+        k1, k2 = _rotate(*halves((heads + kv) * head_dim), cos1, cos2, sin1, sin2, qkv.dtype)
+        k1, k2 = k1.astype(dtype), k2.astype(dtype)
+        v_new = columns_of((heads + kv_heads + kv) * head_dim, head_dim).astype(dtype)
 
         @pl.when(head % per_kv == 0)
         def _():
-            _store(ck_ref, (slot, kv, every, at), k_new)
+            _store(ck_ref, (slot, kv, first, at), k1)
+            _store(ck_ref, (slot, kv, second, at), k2)
             _store(cv_ref, (slot, kv, at, every), v_new)
 
-        own = jnp.sum(query * k_new.astype(jnp.float32)) * scale
+        q1, q2 = q1.astype(jnp.float32), q2.astype(jnp.float32)
+        own = (jnp.sum(q1 * k1.astype(jnp.float32)) + jnp.sum(q2 * k2.astype(jnp.float32))) * scale
+
+        def scored(ref, index, cols, inside):   # q̃ · the keys of ``cols``, two halves at a time
+            keys1 = _load(ref, (*index, first, cols), mask=inside[None, :], other=0)
+            keys2 = _load(ref, (*index, second, cols), mask=inside[None, :], other=0)
+            return (jnp.sum(q1[:, None] * keys1.astype(jnp.float32), axis=0)
+                    + jnp.sum(q2[:, None] * keys2.astype(jnp.float32), axis=0)) * scale
 
         def accumulate(carry, scores, values):
             top, total, acc = carry
@@ -330,8 +364,7 @@ def segmented_decode_attention(q, k, v, prompt_k, prompt_v, prompt_mask, complet
         def prompt_step(i, carry):
             cols = pl.ds(i * prompt_block, prompt_block)
             inside = i * prompt_block + jnp.arange(prompt_block) < prompt_len
-            keys = _load(pk_ref, (g, kv, every, cols), mask=inside[None, :], other=0)
-            scores = jnp.sum(query[:, None] * keys.astype(jnp.float32), axis=0) * scale
+            scores = scored(pk_ref, (g, kv), cols, inside)
             visible = inside & (_load(pm_ref, (g, cols), mask=inside, other=0) != 0)
             scores = jnp.where(visible, scores, -jnp.inf)
             values = _load(pv_ref, (g, kv, cols, every), mask=inside[:, None], other=0)
@@ -342,8 +375,7 @@ def segmented_decode_attention(q, k, v, prompt_k, prompt_v, prompt_mask, complet
             cols = pl.ds(i * block, block)
             position = i * block + jnp.arange(block)
             inside = position < columns
-            keys = _load(ck_ref, (slot, kv, every, cols), mask=inside[None, :], other=0)
-            scores = jnp.sum(query[:, None] * keys.astype(jnp.float32), axis=0) * scale
+            scores = scored(ck_ref, (slot, kv), cols, inside)
             is_own = position == at
             scores = jnp.where(is_own, own, scores)
             scores = jnp.where(position <= at, scores, -jnp.inf)
@@ -360,13 +392,14 @@ def segmented_decode_attention(q, k, v, prompt_k, prompt_v, prompt_mask, complet
         _, total, acc = carry
         _store(out_ref, (slot, head, every), (acc / total).astype(out_ref.dtype))
 
-    operands = (q, k, v, prompt_k, prompt_v, prompt_mask.astype(jnp.int32),
-                group_of.astype(jnp.int32), column.astype(jnp.int32))
+    operands = (((qkv,) if bias is None else (qkv, bias))
+                + (cos, sin, prompt_k, prompt_v, prompt_mask.astype(jnp.int32),
+                   group_of.astype(jnp.int32), column.astype(jnp.int32)))
 
     def call(interpret, *operands):
         return pl.pallas_call(
             kernel,
-            out_shape=(jax.ShapeDtypeStruct((n, heads, head_dim), v.dtype),
+            out_shape=(jax.ShapeDtypeStruct((n, heads, head_dim), qkv.dtype),
                        jax.ShapeDtypeStruct(completion_k.shape, dtype),
                        jax.ShapeDtypeStruct(completion_v.shape, completion_v.dtype)),
             grid=(n, heads), input_output_aliases={len(operands) - 2: 1, len(operands) - 1: 2},

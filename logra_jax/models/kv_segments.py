@@ -23,7 +23,8 @@ multiplied by that group's K_p as one batched product. The completion part reads
 columns a live row can see: blocks of ``BLOCK`` columns up to the longest live row's column
 (``bound``), in a loop whose trip count is that bound, merged block by block the same way (on
 XLA:CPU and a TPU; XLA:GPU reads a loop's trip condition on the host, one stall per layer and
-step, so there every column is read, masked, as one part: a bound per row belongs in a kernel). A slot
+step, so there every column is read, masked, as one part; a bound per row is the GPU kernel's,
+`decode_kernels.segmented_decode_attention`, which a GPU decode step with kernels runs). A slot
 reads its own columns ≤ its own (``column``), so a slot refilled by another row never sees the
 columns its previous row wrote beyond the new row's length.
 """
@@ -95,7 +96,7 @@ def _merge(first, second):
     return m, l1 * w1 + l2 * w2, a1 * w1[..., None] + a2 * w2[..., None]
 
 
-COMPLETION_READS = ("auto", "bounded", "whole", "kernel")
+COMPLETION_READS = ("auto", "bounded", "whole")
 
 
 def segmented_attention(q: jax.Array, k: jax.Array, v: jax.Array, segments: SegmentKV,
@@ -107,34 +108,19 @@ def segmented_attention(q: jax.Array, k: jax.Array, v: jax.Array, segments: Segm
     which this step neither reads nor writes, and a member id ≥ n counts as an empty place. The
     math is in the module docstring.
 
-    ``completion_read``: "bounded" (XLA's ops, blocks up to the live bound), "whole" (XLA's ops,
-    every column masked), "kernel" (`decode_kernels.segmented_decode_attention`: one kernel,
-    each slot's own columns; through Pallas' interpreter off a GPU) or "auto": the kernel on a
-    GPU where the head width is a power of two (Triton's blocks), whole there otherwise, bounded
-    elsewhere (module docstring)."""
+    ``completion_read``: "bounded" (blocks up to the live bound), "whole" (every column masked)
+    or "auto": whole on XLA:GPU, bounded elsewhere (module docstring). A GPU decode step with
+    kernels (one GPU, `decode_kernels.fits`) runs `decode_kernels.segmented_decode_attention`
+    instead, which reads each slot's own columns only."""
     if completion_read not in COMPLETION_READS:
         raise ValueError(f"completion_read must be one of {COMPLETION_READS}, got {completion_read!r}")
-    head_dim = q.shape[2]
-    args = (q, k, v, segments)   # (the scale stays a Python float: a static of the kernel)
+    args = (q, k, v, segments)   # (the scale stays a Python float)
     if completion_read == "auto":
-        on_gpu = (functools.partial(_kernel_attention, scale=scale) if head_dim & (head_dim - 1) == 0
-                  else functools.partial(_xla_attention, scale=scale, read="whole"))
         return jax.lax.platform_dependent(
             *args, default=functools.partial(_xla_attention, scale=scale, read="bounded"),
-            cuda=on_gpu, rocm=on_gpu)
-    if completion_read == "kernel":
-        return _kernel_attention(*args, scale=scale)
+            cuda=functools.partial(_xla_attention, scale=scale, read="whole"),
+            rocm=functools.partial(_xla_attention, scale=scale, read="whole"))
     return _xla_attention(*args, scale=scale, read=completion_read)
-
-
-def _kernel_attention(q, k, v, segments: SegmentKV, *, scale: float):
-    """`segmented_attention` as one kernel (it writes k and v itself)."""
-    from logra_jax.models.decode_kernels import segmented_decode_attention
-    out, completion_k, completion_v = segmented_decode_attention(
-        q, k, v, segments.prompt_k, segments.prompt_v, segments.prompt_mask,
-        segments.completion_k, segments.completion_v, segments.group_of, segments.column,
-        scale=scale)
-    return out, dataclasses.replace(segments, completion_k=completion_k, completion_v=completion_v)
 
 
 def _xla_attention(q, k, v, segments: SegmentKV, *, scale: float, read: str):

@@ -24,6 +24,7 @@ rollouts and a 1024-token window it would save 52/62 · ½ of the KV cache. Not 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -319,8 +320,18 @@ class Attention(nnx.Module):
         the chunk is written to the cache: a prefill into an empty cache, where every other slot
         is masked out anyway, scores t × t instead of t × S.
         ``kernels``: a decode step of one layer's cache on a GPU, whose rotations, cache writes
-        and attention run as one kernel (`decode_kernels.decode_attention`)."""
+        and attention run as one kernel (`decode_kernels.decode_attention`, or for a slot
+        engine's segments `decode_kernels.segmented_decode_attention`)."""
         b, t, _ = x.shape
+        if kernels and isinstance(kv, SegmentKV):   # a slot engine's step on a GPU
+            qkv, bias = self._project_as_one(x, probes)
+            out, completion_k, completion_v = decode_kernels.segmented_decode_attention(
+                qkv[:, 0], cos[:, 0], sin[:, 0], kv.prompt_k, kv.prompt_v, kv.prompt_mask,
+                kv.completion_k, kv.completion_v, kv.group_of, kv.column, bias=bias,
+                heads=self.num_heads, scale=self.scale)
+            return (split_output_product(lambda x: self.o_proj(x, probes.get("o_proj")),
+                                         out.reshape(b, t, -1)),
+                    dataclasses.replace(kv, completion_k=completion_k, completion_v=completion_v))
         if kernels:
             qkv, bias = self._project_as_one(x, probes)
             out, *new_kv = decode_kernels.decode_attention(
@@ -787,22 +798,27 @@ class Decoder(nnx.Module):
         return x, written
 
     def decode_segments(self, tokens: jax.Array, positions: jax.Array,
-                        segments: tuple[SegmentKV, ...], *, layers, probes=None):
+                        segments: tuple[SegmentKV, ...], *, layers, probes=None,
+                        kernels: bool = False):
         """One decode step of a slot engine: (final-normed hidden [S, d], ``segments`` with the
         step's keys and values written).
 
         tokens, positions: int32 [S], each slot's last drawn token and its RoPE position.
         segments: one `SegmentKV` per layer (kv_segments.py: each group's prompt once, each
         slot's completion its own). layers: per-layer weights (`unstacked_layers`), run one
-        after the other as a per-layer decode step does. probes: as in `__call__`.
+        after the other as a per-layer decode step does. probes: as in `__call__`. kernels: on a
+        GPU, each layer's norms and attention as decode_kernels.py's kernels (`__call__`'s).
         """
         if any(self.config.sliding_layers):
             raise ValueError("the slot engine does not decode sliding-window layers (Gemma 3) yet; "
                              "set rl.rollout_engine='static' for this model")
+        if kernels and not decode_kernels.fits(self.config):
+            raise ValueError("kernels=True is for a model decode_kernels.fits")
         layer_probes = self._per_layer_probes(probes)
         x = self._embedded(tokens[:, None])
         # One token per slot: the segments bound what each slot attends to (no mask, no slot).
-        layer = self._layer_fn(positions[:, None], None, None, None, write_index=None)
+        layer = self._layer_fn(positions[:, None], None, None, None, write_index=None,
+                               kernels=kernels)
         # No layer slides (refused above): the flags stay Python's, nothing for the trace to hold.
         x, written = self._run_per_layer(x, layer, layers, layer_probes, segments,
                                          self.config.sliding_layers)

@@ -61,12 +61,13 @@ def default_prompt_slots(batch: int, slots: int, group_size: int) -> int:
 def generate_in_slots(model, probes, prompt_tokens, prompt_mask, rng, temperature, *,
                       group_size: int, slots: int, prompt_slots: int, max_completion_length: int,
                       eos_ids, pad_id: int, top_k: int, top_p: float, greedy: bool,
-                      limits, layers=None) -> SampleOutput:
+                      limits, layers=None, kernels: bool = False) -> SampleOutput:
     """The completions of every row of ``prompt_tokens`` [B, P] (groups of ``group_size``
     adjacent rows share a prompt), decoded through ``slots`` decode slots and ``prompt_slots``
     prompt slots. ``layers``: the per-layer weights (`Decoder.unstacked_layers`), made here when
-    None. ``limits`` (int32 [B]): the most tokens each row may draw. The rest as
-    `Sampler.generate`."""
+    None. ``limits`` (int32 [B]): the most tokens each row may draw. ``kernels``: each decode
+    step's norms and attention as decode_kernels.py's kernels (one GPU; ``layers`` then with q,
+    k and v's kernels as one, `llama.fuse_qkv_kernels`). The rest as `Sampler.generate`."""
     batch, prompt_len = prompt_tokens.shape
     check_slots(batch, group_size, slots, prompt_slots)
     c = model.config
@@ -167,7 +168,8 @@ def generate_in_slots(model, probes, prompt_tokens, prompt_mask, rng, temperatur
                              for pk, pv, ck, cv in zip(s["prompt_k"], s["prompt_v"],
                                                        completion_k, completion_v))
             hidden, segments = model.decode_segments(first(s["token"]), first(s["start"]) + column,
-                                                     segments, layers=layers, probes=probes)
+                                                     segments, layers=layers, probes=probes,
+                                                     kernels=kernels)
             column = column + 1
             token, logprob = pick(model.vocab_major_logits(hidden), column, row)
             kept = jnp.where(live, row, batch)             # batch: dropped

@@ -248,7 +248,8 @@ class Sampler:
                 prompt_slots=self.prompt_slots or default_prompt_slots(batch, slots, self.group_size),
                 max_completion_length=self.max_completion_length, eos_ids=self.eos_ids,
                 pad_id=self.pad_id, top_k=top_k, top_p=top_p, greedy=greedy, limits=limits,
-                layers=model.unstacked_layers())
+                layers=model.unstacked_layers(fuse_qkv=fuse_qkv),
+                kernels=fuse_qkv and decode_kernels.fits(model.config))
         rows = jnp.arange(batch, dtype=jnp.int32)
         per_pass = self.rows_per_pass or batch
         passes = batch // per_pass
