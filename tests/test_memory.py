@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from configs import tiny
 from logra_jax import model_shapes
+from logra_jax.config.files import load_config_file
 from logra_jax.perf import memory
 from logra_jax.tree_paths import leaves_with_paths
 from logra_jax.rl import assembly, optimizers
@@ -250,3 +251,25 @@ def test_columns_per_weight_dtype_and_a_sampler_sharing_bf16_weights():
     config.model.param_dtype = "bfloat16"
     config.sync.mode = "full"                       # an engine of its own: its own copy
     assert memory.rl_resident_bytes(config, mesh, mesh).sampler_weights > 0
+
+
+def test_the_slot_engine_plans_each_groups_prompt_once():
+    """The reference batch (16 prompts × 8 samples, 512 + 1,536 tokens, Qwen2.5-1.5B's shape) on
+    one device: the slot engine's KV cache holds each group's prompt once and each row's
+    completion, (P + G·C) / (G·(P + C)) of the static pass's; rl.rollout_slots=32 (a quarter of
+    the rows, 8 prompt slots) holds a quarter of the completions and as many prompts."""
+    config = load_config_file(REPO / "configs" / "qwen2_5_1_5b.py")
+    config.data.prompts_per_step, config.rl.num_generations = 16, 8
+    config.rl.max_prompt_length, config.rl.max_completion_length = 512, 1536
+    config.sync.rollout_devices = 0
+    mesh = build_mesh({"fsdp": 1, "tensor": 1}, jax.devices()[:1])
+    static = memory.rl_resident_bytes(config, mesh, mesh).kv_cache
+    config.rl.rollout_engine = "slots"
+    slots = memory.rl_resident_bytes(config, mesh, mesh).kv_cache
+    prompt, completion, group = 512, 1536, 8
+    assert slots / static == pytest.approx(
+        (prompt + group * completion) / (group * (prompt + completion)), rel=1e-12)
+    config.rl.rollout_slots = 32
+    quarter = memory.rl_resident_bytes(config, mesh, mesh).kv_cache
+    assert quarter / static == pytest.approx((8 * prompt + 32 * completion)
+                                             / (128 * (prompt + completion)), rel=1e-12)

@@ -203,9 +203,9 @@ class LoopMemory:
       reads one (GRPO with beta > 0), in ``reference_dtype``, the compute dtype.
     sampler_weights: the rollout engine's bf16 weights, on the rollout devices (0 when a colocated
       sampler reads the policy's bf16 params themselves).
-    kv_cache: the sampler's cache for one pass over the rollout batch (compute dtype; the whole
-      batch, or ``rl.rollout_micro_batch`` rows), on the rollout devices; it exists only while
-      sampling.
+    kv_cache: the sampler's cache (compute dtype, `rollout_kv_bytes`: one static pass of the
+      whole batch or ``rl.rollout_micro_batch`` rows, or the slot engine's prompt and completion
+      segments), on the rollout devices; it exists only while sampling.
     colocated: the rollout devices are the training devices (then all of it adds up there).
     """
 
@@ -226,6 +226,28 @@ def kv_cache_bytes(model_config: ModelConfig, rows: int, length: int, mesh: Mesh
     return 2 * device_bytes(one)  # keys and values
 
 
+def rollout_kv_bytes(config: ml_collections.ConfigDict, model_config: ModelConfig, rows: int,
+                     mesh: Mesh) -> int:
+    """Per-device bytes of the sampler's KV cache for a rollout of ``rows`` rows:
+
+    - the static engine: one pass (``rl.rollout_micro_batch`` rows, or all), each row holding its
+      prompt window and completion, rows × (P + C) tokens;
+    - the slot engine: each prompt slot one group's prompt window, each decode slot one row's
+      completion (C rounded up to `kv_segments.BLOCK`): prompt slots × P + slots × C tokens; for
+      a batch in one set of slots, groups × P + rows × C, against rows × (P + C) = G·(P + C)
+      per group."""
+    rl = config.rl
+    prompt, completion = rl.max_prompt_length, rl.max_completion_length
+    if rl.rollout_engine != "slots":
+        return kv_cache_bytes(model_config, rl.rollout_micro_batch or rows, prompt + completion, mesh)
+    from logra_jax.models.kv_segments import BLOCK
+    from logra_jax.rl.sampler.slots import default_prompt_slots
+    slots = rl.rollout_slots or rows
+    prompt_slots = default_prompt_slots(rows, slots, rl.num_generations)
+    return (kv_cache_bytes(model_config, prompt_slots, prompt, mesh)
+            + kv_cache_bytes(model_config, slots, -(-completion // BLOCK) * BLOCK, mesh))
+
+
 def rl_resident_bytes(config: ml_collections.ConfigDict, training: Mesh, rollout: Mesh) -> LoopMemory:
     """`resident_bytes` of ``config`` on ``training`` and ``rollout`` (the sampler's mesh: the
     training mesh itself when colocated)."""
@@ -238,9 +260,7 @@ def resident_bytes(plan: Plan) -> LoopMemory:
     config = plan.config
     rl = config.rl
     reference = device_bytes(plan.reference) if plan.reference is not None else 0
-    rows = rl.rollout_micro_batch or plan.rows
-    kv = kv_cache_bytes(plan.model_config, rows, rl.max_prompt_length + rl.max_completion_length,
-                        plan.sampler_mesh)
+    kv = rollout_kv_bytes(config, plan.model_config, plan.rows, plan.sampler_mesh)
     colocated = set(plan.sampler_mesh.devices.flat) == set(plan.mesh.devices.flat)
     # A colocated sampler without a sync reads the policy's own params: bf16 params are its weights
     # (no copy); from fp32 params it holds a bf16 cast of them while it samples.
