@@ -251,7 +251,9 @@ def print_rollout(record) -> None:
           f"prefilled once each ({slot['prefill_tokens']:,} prompt tokens against the static "
           f"engine's {detail['prefill_tokens']:,}, not counted); decode steps by executed size: "
           + ", ".join(f"{s['slots']} slots × {s['steps']} ({_gb(s['bytes_per_step'])} GB, "
-                      f"{s['kernels_per_step']:.0f} kernels)" for s in slot["sizes"]))
+                      f"{s['kernels_per_step']:.0f} kernels)" for s in slot["sizes"])
+          + "; the attention kernel's completion reads are the columns each slot attends to "
+            "(the schedule's), not its operands whole")
     print(f"floor: the batch decoded as one, each row only while live (weights once per step, "
           f"each group's {record['model']['prompt_window']}-token prompt KV once, each live row's "
           f"completion KV so far); seconds predicted: forward passes × max(bytes ÷ "

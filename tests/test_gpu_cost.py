@@ -440,12 +440,14 @@ def test_the_rollout_part_counts_what_the_slot_engine_runs(qwen_plan):
         assert size["kernel_whole_completion_bytes_per_step"] == 4 * 768 * kv_per_token
     columns = sum(size["completion_columns_read"] for size in detail["sizes"])
     assert columns >= sum(n * (n - 1) // 2 for n in ROLLOUT_LENGTHS)
-    in_steps = sum(size["steps"] * (size["bytes_per_step"]
+    in_steps = sum(size["steps"] * (size["program_bytes_per_step"]
                                     - size["kernel_whole_completion_bytes_per_step"])
                    for size in detail["sizes"]) + columns * kv_per_token
+    assert in_steps == pytest.approx(sum(size["steps"] * size["bytes_per_step"]
+                                         for size in detail["sizes"]), rel=1e-12)
     assert in_steps < detail["bytes"] and detail["entry_bytes"] > 0
     # A step of fewer slots reads less: the same weights, fewer rows' caches.
-    per_step = [size["bytes_per_step"] for size in detail["sizes"]]
+    per_step = [size["program_bytes_per_step"] for size in detail["sizes"]]
     assert per_step == sorted(per_step, reverse=True)
     assert "new/static: bytes per kept token" in stdout
 

@@ -540,6 +540,12 @@ def slot_rollout(config: ml_collections.ConfigDict, mesh, lengths, *,
         (_Part.of(program.trip(loop)) + check(loop) for loop in top), _Part(0.0, 0.0))
     parts.append((entry_own, 1))   # the state's set-up, the compactions, the outputs
     decode = sum((part * times for part, times in parts), _Part(0.0, 0.0))
+
+    def bounded_step_bytes(n):   # a step of n slots, its kernels reading the columns they read
+        if not whole_by_size[n] or not schedule.steps[n]:
+            return steps[n].bytes
+        return (steps[n].bytes - whole_by_size[n]
+                + kv_per_token * schedule.columns_read.get(n, 0) / schedule.steps[n])
     figures = dict(bytes_per_kept_token=decode.bytes / kept,
                    floor_bytes_per_kept_token=floor / kept,
                    kernels_per_kept_token=decode.kernels / kept,
@@ -548,7 +554,9 @@ def slot_rollout(config: ml_collections.ConfigDict, mesh, lengths, *,
     detail = dict(rows=rows, slots=n_slots, prompt_slots=prompt_slots, kept_tokens=kept,
                   tokens_per_chunk=slot_engine.REFILL_EVERY,
                   admission_trips=schedule.admission_trips, groups=schedule.groups,
-                  sizes=[dict(slots=n, steps=schedule.steps[n], bytes_per_step=steps[n].bytes,
+                  sizes=[dict(slots=n, steps=schedule.steps[n],
+                              bytes_per_step=bounded_step_bytes(n),
+                              program_bytes_per_step=steps[n].bytes,
                               kernels_per_step=steps[n].kernels,
                               kernel_whole_completion_bytes_per_step=whole_by_size[n],
                               completion_columns_read=schedule.columns_read.get(n, 0))

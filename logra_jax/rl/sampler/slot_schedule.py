@@ -27,7 +27,7 @@ import dataclasses
 
 import numpy as np
 
-from logra_jax.rl.sampler.slots import check_slots
+from logra_jax.rl.sampler.slots import check_slots, executed_sizes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,13 +55,6 @@ class SlotSchedule:
         """Row-steps executed: each row's draw from its prefill, and n per step of size n
         (slots holding no live row included)."""
         return len(self.token_steps) + sum(n * k for n, k in self.steps.items())
-
-
-def executed_sizes(slots: int) -> tuple[int, ...]:
-    """The batch sizes the engine compiles a step for, largest first: every slot, then the powers
-    of two below it."""
-    return tuple(sorted({slots} | {2 ** i for i in range(slots.bit_length()) if 2 ** i < slots},
-                        reverse=True))
 
 
 def replay(lengths, *, group_size: int, slots: int, prompt_slots: int,

@@ -51,6 +51,16 @@ def check_slots(batch: int, group_size: int, slots: int, prompt_slots: int) -> N
         raise ValueError(f"the slot engine needs at least one prompt slot, got {prompt_slots}")
 
 
+def executed_sizes(slots: int) -> tuple[int, ...]:
+    """The batch sizes the engine compiles a step for, largest first: every slot, then the powers
+    of two below it. (Sizes 3·2ᵏ between them would waste fewer row-steps in the tail, 0.73 →
+    0.86 of the reference batch's row-steps kept, `launch.cost`; a tail step on a GPU reads the
+    weights whatever its size, so its bytes barely move, and each size is one more loop to
+    compile.)"""
+    return tuple(sorted({slots} | {2 ** i for i in range(slots.bit_length()) if 2 ** i < slots},
+                        reverse=True))
+
+
 def default_prompt_slots(batch: int, slots: int, group_size: int) -> int:
     """The prompt slots a `Sampler` of ``slots`` decode slots holds unless told: twice the groups
     the decode slots hold (a group's prompt stays while its slowest row decodes, so the next
@@ -107,8 +117,7 @@ def generate_in_slots(model, probes, prompt_tokens, prompt_mask, rng, temperatur
     # (a loop of its own) neither reads nor carries it.
     cache = (tuple(jnp.zeros((slots, kv, d, capacity), dtype) for _ in range(L)),
              tuple(jnp.zeros((slots, kv, capacity, d), dtype) for _ in range(L)))
-    # The executed batch sizes: every slot, then the powers of two below.
-    sizes = sorted({slots} | {2 ** i for i in range(slots.bit_length()) if 2 ** i < slots})
+    sizes = executed_sizes(slots)[::-1]   # smallest first
 
     def pick(logits_t, positions, rows):
         return draw(logits_t, rng, positions, rows, temperature=temperature, greedy=greedy,
