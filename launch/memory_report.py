@@ -47,6 +47,8 @@ def format_table(steps: list[memory.StepMemory],
         if rollouts is not None and rollouts[0].rows_per_pass < rollouts[0].rows:
             where += f", {rollouts[0].rows_per_pass} of {rollouts[0].rows} rows per pass"
         rows.append((f"KV cache ({where})", [gib(loop.kv_cache) for loop in loops]))
+        if loops[0].queued_rollouts:
+            rows.append(("queued rollouts (rl.max_lag)", [gib(loop.queued_rollouts) for loop in loops]))
         if rollouts is not None:
             rows.append((f"generate temporaries ({where}, XLA)",
                          [gib(r.temporaries) for r in rollouts]))

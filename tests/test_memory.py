@@ -6,6 +6,7 @@ LoGRA's state must be the per-row moments plus the non-targets' Adam moments; sh
 planning configs must match the published model sizes.
 """
 
+import dataclasses
 import json
 import math
 import re
@@ -273,3 +274,27 @@ def test_the_slot_engine_plans_each_groups_prompt_once():
     quarter = memory.rl_resident_bytes(config, mesh, mesh).kv_cache
     assert quarter / static == pytest.approx((8 * prompt + 32 * completion)
                                              / (128 * (prompt + completion)), rel=1e-12)
+
+
+def test_a_pipelined_run_plans_its_queued_rollouts_in_both_phases():
+    """rl.max_lag = η holds η rollouts between steps (rl/pipeline.py): per device, η × each
+    rollout's arrays (tokens, segment mask, positions [rows, P + C]; completion mask and
+    behaviour log-probs [rows, C]; completed flags and token steps [rows]) over the batch's
+    devices, in the update phase and the rollout phase alike."""
+    config = tiny.get_config()
+    mesh = build_mesh({"fsdp": 8, "tensor": 1}, jax.devices(), spare_devices=True)
+    assert memory.rl_resident_bytes(config, mesh, mesh).queued_rollouts == 0
+    config.rl.max_lag = 2
+    loop = memory.rl_resident_bytes(config, mesh, mesh)
+    rl = config.rl
+    rows = config.data.prompts_per_step * rl.num_generations
+    window, completion = rl.max_prompt_length + rl.max_completion_length, rl.max_completion_length
+    per_row = window * (4 + 1 + 4) + completion * (1 + 4) + 1 + 4
+    assert rows % 8 == 0 and loop.queued_rollouts == 2 * rows // 8 * per_row
+    step = memory.StepMemory(optimizer="logra", devices=8, micro_steps=1, params=1, opt_state=2,
+                             batch=0, gradients=0, arguments=3, outputs=3, aliased=3,
+                             temporaries=7, code=0)
+    plain = memory.rl_footprint(step, dataclasses.replace(loop, queued_rollouts=0))
+    queued = memory.rl_footprint(step, loop)
+    assert queued["update"] - plain["update"] == loop.queued_rollouts
+    assert queued["rollout"] - plain["rollout"] == loop.queued_rollouts

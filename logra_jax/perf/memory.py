@@ -207,6 +207,9 @@ class LoopMemory:
       whole batch or ``rl.rollout_micro_batch`` rows, or the slot engine's prompt and completion
       segments), on the rollout devices; it exists only while sampling.
     colocated: the rollout devices are the training devices (then all of it adds up there).
+    queued_rollouts: the rollouts sampled ahead under ``rl.max_lag`` = η (rl/pipeline.py), held
+      on the training devices between steps and through both phases: η rollouts' arrays
+      (`queued_rollout_bytes`).
     """
 
     reference: int
@@ -215,6 +218,7 @@ class LoopMemory:
     rollout_devices: int
     colocated: bool
     reference_dtype: str = "bfloat16"
+    queued_rollouts: int = 0
 
 
 def kv_cache_bytes(model_config: ModelConfig, rows: int, length: int, mesh: Mesh) -> int:
@@ -248,6 +252,24 @@ def rollout_kv_bytes(config: ml_collections.ConfigDict, model_config: ModelConfi
             + kv_cache_bytes(model_config, slots, -(-completion // BLOCK) * BLOCK, mesh))
 
 
+def queued_rollout_bytes(config: ml_collections.ConfigDict, rows: int, mesh: Mesh) -> int:
+    """Per-device bytes of the ``rl.max_lag`` = η rollouts a pipelined run holds between steps
+    (`pipeline.RolloutQueue`), rows over the mesh's batch sharding: each rollout's token,
+    segment-mask and position arrays [rows, P + C] (int32, bool, int32), its completion mask and
+    behaviour log-probs [rows, C] (bool, float32), and its completed flags and token steps
+    [rows] (bool, int32). Its rewards are host arrays."""
+    rl = config.rl
+    if not rl.max_lag:
+        return 0
+    window, completion = rl.max_prompt_length + rl.max_completion_length, rl.max_completion_length
+    arrays = [((rows, window), jnp.int32), ((rows, window), jnp.bool_), ((rows, window), jnp.int32),
+              ((rows, completion), jnp.bool_), ((rows, completion), jnp.float32),
+              ((rows,), jnp.bool_), ((rows,), jnp.int32)]
+    return rl.max_lag * sum(
+        device_bytes(jax.ShapeDtypeStruct(shape, dtype, sharding=sharding_lib.batch_sharding(mesh, rows)))
+        for shape, dtype in arrays)
+
+
 def rl_resident_bytes(config: ml_collections.ConfigDict, training: Mesh, rollout: Mesh) -> LoopMemory:
     """`resident_bytes` of ``config`` on ``training`` and ``rollout`` (the sampler's mesh: the
     training mesh itself when colocated)."""
@@ -269,7 +291,8 @@ def resident_bytes(plan: Plan) -> LoopMemory:
     sampler = 0 if shares else device_bytes({k: weights[k] for k in plan.model_params})
     return LoopMemory(reference=reference, sampler_weights=sampler, kv_cache=kv,
                       rollout_devices=plan.sampler_mesh.size, colocated=colocated,
-                      reference_dtype=config.model.dtype)
+                      reference_dtype=config.model.dtype,
+                      queued_rollouts=queued_rollout_bytes(config, plan.rows, plan.mesh))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -330,18 +353,20 @@ def rl_footprint(step: StepMemory, loop: LoopMemory,
                  rollout: RolloutMemory | None = None) -> dict[str, int]:
     """Per training device: the update phase, the rollout phase and the larger of the two.
 
-    update phase  = update peak + reference (+ sampler weights when colocated)
-    rollout phase = params + optimizer state + reference (+ sampler weights + KV cache when colocated)
+    update phase  = update peak + reference + queued rollouts (+ sampler weights when colocated)
+    rollout phase = params + optimizer state + reference + queued rollouts
+                    (+ sampler weights + KV cache when colocated)
 
     With ``rollout`` (the compiled ``generate``) and a colocated sampler, the rollout phase's
     sampler part is the compiled peak instead of weights + KV cache from shapes: params + optimizer
     state + reference + generate's peak, less its weights where the sampler reads the policy's own
     bf16 params (``loop.sampler_weights`` is 0 then).
     """
-    shared = loop.reference + (loop.sampler_weights if loop.colocated else 0)
+    shared = (loop.reference + loop.queued_rollouts
+              + (loop.sampler_weights if loop.colocated else 0))
     update = step.peak + shared
     rollout_phase = step.params + step.opt_state + shared + (loop.kv_cache if loop.colocated else 0)
     if rollout is not None and loop.colocated:
-        rollout_phase = (step.params + step.opt_state + loop.reference + rollout.peak
-                         - rollout.weights + loop.sampler_weights)
+        rollout_phase = (step.params + step.opt_state + loop.reference + loop.queued_rollouts
+                         + rollout.peak - rollout.weights + loop.sampler_weights)
     return {"update": update, "rollout": rollout_phase, "total": max(update, rollout_phase)}
