@@ -166,6 +166,11 @@ ROWS = [
      "longer than rl.max_prompt_length=8 tokens (the longest has 46): none is left"),
     ("prompts-too-long-no-skip", dict(rl=dict(max_prompt_length=8), data=dict(skip_long_prompts=False)),
      "raise rl.max_prompt_length to 46, or set data.skip_long_prompts=True"),
+    # A GGUF model's tokenizer is read from its header: the window is refused before any weight
+    # is read (this file's weights are cut short, which only the model's build would find).
+    ("gguf-prompts-too-long", lambda tmp: dict(model=dict(source=_cut_gguf(tmp, 49_181_216)),
+                                               rl=dict(max_prompt_length=8)),
+     "longer than rl.max_prompt_length=8 tokens (the longest has 46): none is left"),
 ]
 # What only the model (or its tokenizer) can tell: these rows build it, in a new workdir (each
 # changes a key that the resume check of the trained workdir would refuse first).
@@ -177,7 +182,7 @@ MODEL_ROWS = [
     ("gguf-empty", lambda tmp: dict(model=dict(source=_file(tmp / "m.gguf", b""))),
      "cannot be read: cannot mmap an empty file"),
     ("gguf-not-gguf", lambda tmp: dict(model=dict(source=_file(tmp / "m.gguf", b"not a gguf file"))),
-     "cannot be read: GGUF magic invalid"),
+     "m.gguf is not a GGUF file"),
     # Weights cut short (an interrupted copy): the file, the tensor, the bytes described and found.
     ("gguf-cut-in-its-header", lambda tmp: dict(model=dict(source=_cut_gguf(tmp, 1_000_000))),
      "m.gguf is cut short: it ends at byte 1000000, inside its header"),
@@ -230,7 +235,8 @@ def _cut_hf_folder(tmp: pathlib.Path) -> str:
 
 
 # Rows found after the workdir's resume check (which would refuse their key first): a new workdir.
-NEW_WORKDIR = {"mesh-indivisible", "mesh-too-big", "prompts-too-long", "prompts-too-long-no-skip"}
+NEW_WORKDIR = {"mesh-indivisible", "mesh-too-big", "prompts-too-long", "prompts-too-long-no-skip",
+               "gguf-prompts-too-long"}
 
 
 def _refuses_on_a_copy(trained, tmp_path, overrides, message, new_workdir=False):

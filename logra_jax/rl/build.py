@@ -115,15 +115,19 @@ def build_model(cfg: ml_collections.ConfigDict, mesh: Mesh | None):
 def build_tokenizer(cfg: ml_collections.ConfigDict) -> Tokenizer | None:
     """The tokenizer ``config.model`` names, read without the weights, for the checks that need
     one before the model is built (every prompt fits the prompt window): SmolLM2's for "tiny",
-    "random:" and the packaged SmolLM2, a Hugging Face folder's own. None where it comes only with
-    the weights (a GGUF file: its header holds it) or for a source `build_model` refuses."""
+    "random:" and the packaged SmolLM2, a Hugging Face folder's own, a GGUF file's from its
+    header (`gguf_loader.gguf_metadata`: a fraction of a second, the tensors untouched). None
+    for a source `build_model` refuses."""
     if (cfg.source == "tiny" or model_shapes.is_random_source(cfg.source)
             or str(cfg.source).lower() in KNOWN_MODELS):
         return gguf_loader.smollm2_tokenizer()
-    folder = pathlib.Path(cfg.source)
-    if folder.is_dir() and (folder / "tokenizer.json").is_file():
+    path = pathlib.Path(cfg.source)
+    if path.is_dir() and (path / "tokenizer.json").is_file():
         with _naming_the_source(cfg):
-            return Tokenizer.from_hf_dir(folder)
+            return Tokenizer.from_hf_dir(path)
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        with _naming_the_source(cfg):
+            return gguf_loader.tokenizer_from_gguf(gguf_loader.gguf_metadata(path))
     return None
 
 
