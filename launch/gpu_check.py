@@ -1,7 +1,7 @@
 """`make gpu-check`: everything a CUDA machine can tell us, in one time-bounded run.
 
     python -m launch.gpu_check [--out runs/gpu_check] [--size full|small] [--budget_s 515] \
-        [--parts memory,plan,time,kernels,sampler,rl] [--memory_budget_gib X] [--plan_target h200-8]
+        [--parts memory,plan,time,kernels,sampler,rollout,rl] [--memory_budget_gib X] [--plan_target h200-8]
 
 Each part is a fresh process of one of the project's commands, cut at its own time limit and at
 what is left of the whole budget (a part that does not finish keeps its log, and its cell says so):
@@ -23,6 +23,9 @@ what is left of the whole budget (a part that does not finish keeps its log, and
   part decodes with them.
 - sampler: tokens/s and achieved/roofline at batch 1 / 16 / 64, stacked and per-layer decode, the
   SmolLM2-135M shape with random weights (launch.sampler_bench).
+- rollout: the reference batch's rollout (16 prompts × 8 samples, 512 + 1,536 tokens) on lognormal
+  lengths (median 200), the static engine against the slot engine (all rows, and 32 slots): seconds,
+  kept tokens/s, row-steps, the same tokens (launch.rollout_bench).
 - rl: seconds per RL step of the whole loop, split by phase, Qwen2.5-1.5B's shape with random
   weights (launch.rl_step_time).
 
@@ -65,7 +68,7 @@ _MEMORY_BUDGET = flags.DEFINE_float("memory_budget_gib", None, "For the memory p
 _PLAN_TARGET = flags.DEFINE_string("plan_target", None, "launch.memory --target of the deviceless "
                                    "XLA:GPU plan (default: from the GPU's name, h200-8 otherwise).")
 
-PARTS = ("memory", "plan", "time", "kernels", "sampler", "rl")   # and versions, always first
+PARTS = ("memory", "plan", "time", "kernels", "sampler", "rollout", "rl")   # and versions, first
 OPTIMIZERS = ("logra", "adamw")
 MEM_FRACTION = "0.95"
 RL_WORKDIR = "rl_run"
@@ -85,6 +88,7 @@ class Size:
     time_args: tuple[str, ...]
     kernel_args: tuple[str, ...]
     sampler_args: tuple[str, ...]
+    rollout_args: tuple[str, ...]
     rl_args: tuple[str, ...]
     limits: dict   # part → seconds
 
@@ -98,8 +102,14 @@ FULL = Size(
     sampler_args=("--dtype", "bfloat16", "--meshes", "1", "--batches", "1,16,64",
                   "--decode_weights", "stacked,per_layer", "--repeats", "3", "--prompt_length",
                   "64", "--completion_length", "128", "--config.model.source=random:smollm2_135m"),
+    # The reference batch's rollout on lognormal lengths (median 200), static vs slot engine.
+    rollout_args=("--prompts", "16", "--samples", "8", "--prompt_length", "512",
+                  "--completion_length", "1536", "--schedule", "lognormal:200", "--slots", "0,32",
+                  "--repeats", "2", "--config.model.source=random:smollm2_135m",
+                  "--config.model.dtype=bfloat16"),
     rl_args=("--config", "configs/qwen2_5_1_5b.py", "--steps", "3"),
-    limits=dict(versions=60, memory=80, plan=450, time=80, kernels=45, sampler=90, rl=130))
+    limits=dict(versions=60, memory=80, plan=450, time=80, kernels=45, sampler=90, rollout=120,
+                rl=130))
 SMALL = Size(
     memory_config="configs/tiny.py",
     time_args=("--widths", "128", "--layers", "1", "--rows", "2", "--prompt_length", "8",
@@ -111,8 +121,12 @@ SMALL = Size(
     sampler_args=("--config", "configs/tiny.py", "--meshes", "1", "--batches", "2",
                   "--decode_weights", "per_layer,stacked", "--repeats", "1", "--prompt_length", "4",
                   "--completion_length", "3"),
+    rollout_args=("--config", "configs/tiny.py", "--prompts", "2", "--samples", "2",
+                  "--prompt_length", "4", "--completion_length", "6", "--schedule", "lognormal:2",
+                  "--slots", "2", "--repeats", "1"),
     rl_args=("--config", "configs/tiny.py", "--steps", "2", "--config.rl.max_completion_length=4"),
-    limits=dict(versions=60, memory=120, plan=240, time=120, kernels=120, sampler=120, rl=120))
+    limits=dict(versions=60, memory=120, plan=240, time=120, kernels=120, sampler=120, rollout=120,
+                rl=120))
 
 
 def _python() -> str:
@@ -195,6 +209,9 @@ def build_parts(size: Size, selected, memory_budget, plan_target, on_gpu: bool) 
     if "sampler" in selected:
         parts.append(Part("sampler", [py, "-m", "launch.sampler_bench", *size.sampler_args,
                                       "--jsonl", "sampler.jsonl"], size.limits["sampler"]))
+    if "rollout" in selected:
+        parts.append(Part("rollout", [py, "-m", "launch.rollout_bench", *size.rollout_args,
+                                      "--json", "rollout.json"], size.limits["rollout"]))
     if "rl" in selected:
         # The run's own workdir: a part cut short still leaves the steps it logged.
         parts.append(Part("rl", [py, "-m", "launch.rl_step_time", *size.rl_args, "--json",
@@ -301,6 +318,9 @@ def collect(parts: list[Part], out: pathlib.Path) -> dict:
             result[name] = {"rows": _json_lines(out / rows), "status": by_name[name].status}
             if by_name[name].status != "ok":
                 result[name]["why"] = _why(by_name[name], out)
+    if "rollout" in by_name:
+        result["rollout"] = (_read_json(out / "rollout.json")
+                             or {"absent": _why(by_name["rollout"], out)})
     if "rl" in by_name:
         result["rl"] = _read_json(out / "rl.json") or {"absent": _why(by_name["rl"], out)}
         if "absent" in result["rl"]:   # the per-phase seconds of the steps that did finish

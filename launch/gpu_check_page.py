@@ -137,6 +137,24 @@ def markdown(result: dict, when: str) -> str:
                    f"{r['tokens_per_second']:.1f}", f"{r['roofline_seconds']:.3f}",
                    f"{r['achieved_over_roofline']:.2f}"),
         "not every cell finished")
+    rollout = result.get("rollout")
+    if rollout:
+        lines += ["## Rollout: the static engine against the slot engine", ""]
+        if "absent" in rollout:
+            lines += [f"absent ({rollout['absent']})", ""]
+        else:
+            r = rollout
+            lines += [f"{r['model']} ({r['dtype']}), {r['device_kind']}; {r['prompts']} prompts × "
+                      f"{r['samples']} samples, {r['prompt_length']} + {r['completion_length']} "
+                      f"tokens; lengths {r['schedule']} ({r['kept_tokens']:,} tokens kept, longest "
+                      f"{r['longest']}); median of {r['repeats']} calls, engines alternated; same "
+                      f"tokens: {'yes' if r['same_tokens'] else '**no**'}", "",
+                      "| engine | seconds | kept tokens/s | row-steps | efficiency | time/static |",
+                      "|---|---|---|---|---|---|"]
+            lines += [f"| {e['engine']} | {e['seconds']:.2f} | {e['kept_tokens_per_second']:,.0f} | "
+                      f"{e['row_steps']} | {e['efficiency']:.3f} | {e['time_over_static']:.3f} |"
+                      for e in r["engines"]]
+            lines.append("")
     rl = result.get("rl")
     if rl:
         lines += ["## Seconds per RL step", ""]

@@ -2,7 +2,7 @@
 
     python -m launch.rollout_bench [--prompts 4] [--samples 4] [--prompt_length 64] \
         [--completion_length 256] [--schedule lognormal:32] [--slots 16,8] [--repeats 3] \
-        [--config.model.source=...]
+        [--json out.json] [--config.model.source=...]
 
 Both engines of `rl.sampler.Sampler` sample the same rollout batch (``prompts`` random prompts
 × ``samples`` rows each, adjacent rows of a group sharing their prompt) from the default job's
@@ -16,6 +16,7 @@ seconds over the static engine's. The tokens of the two are compared (they must 
 draw is keyed by row and position, `rl/sampler/draw.py`).
 """
 
+import json
 import sys
 
 from absl import flags
@@ -35,6 +36,7 @@ _SCHEDULE = flags.DEFINE_string("schedule", "lognormal:32",
 _SLOTS = flags.DEFINE_list("slots", ["0"], "The slot engines' decode slots, one engine per count; "
                            "0: every row.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed calls per engine, after one warm-up.")
+_JSON = flags.DEFINE_string("json", None, "Also write the table to this JSON file.")
 
 
 def main(argv):
@@ -94,13 +96,27 @@ def main(argv):
           f"{schedule['spec']} (kept {int(lengths.sum())} tokens, longest {int(lengths.max())}); "
           f"median of {_REPEATS.value} calls, engines alternated")
     print(f"{'engine':>9} {'seconds':>8} {'row-steps':>9} {'efficiency':>10} {'time/static':>11}")
+    rows_out = []
     for name, out in outputs.items():
         steps = int(np.asarray(out.token_steps).sum())
         kept = int(np.asarray(out.mask).sum())
         print(f"{name:>9} {seconds[name]:>8.2f} {steps:>9} {kept / steps:>10.3f} "
               f"{seconds[name] / seconds['static']:>11.3f}")
+        rows_out.append(dict(engine=name, seconds=seconds[name], row_steps=steps, kept_tokens=kept,
+                             efficiency=kept / steps,
+                             time_over_static=seconds[name] / seconds["static"],
+                             kept_tokens_per_second=kept / seconds[name]))
     same = all(np.array_equal(outputs["static"].tokens, out.tokens) for out in outputs.values())
     print(f"same tokens from every engine: {'yes' if same else 'NO'}")
+    if _JSON.value:
+        with open(_JSON.value, "w") as f:
+            json.dump(dict(device_kind=jax.devices()[0].device_kind, backend=jax.default_backend(),
+                           model=config.model.source, dtype=config.model.dtype,
+                           prompts=_PROMPTS.value, samples=_SAMPLES.value,
+                           prompt_length=_PROMPT.value, completion_length=_COMPLETION.value,
+                           schedule=schedule["spec"], kept_tokens=int(lengths.sum()),
+                           longest=int(lengths.max()), repeats=_REPEATS.value, engines=rows_out,
+                           same_tokens=same), f, indent=1)
     if not same:
         sys.exit(1)
 

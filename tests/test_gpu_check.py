@@ -62,12 +62,18 @@ def test_gpu_check_on_cpu_writes_its_tables_and_an_update_that_does_not_fit(gpu_
     kernels = result["kernels"]["rows"]   # through Pallas' interpreter here
     assert [r["rows"] for r in kernels] == [2] and all(r["ok"] for r in kernels)
     assert all(r["logits_rel_diff"] <= r["tolerance"] for r in kernels), kernels
+    rollout = result["rollout"]   # the static engine and the slot engine, the same tokens
+    assert [e["engine"] for e in rollout["engines"]] == ["static", "slots 2"]
+    assert rollout["same_tokens"]
+    assert all(e["kept_tokens"] == rollout["kept_tokens"] for e in rollout["engines"])
+    assert all(e["seconds"] > 0 and e["row_steps"] >= e["kept_tokens"] for e in rollout["engines"])
     rl = result["rl"]
     assert rl["steps"] == 2 and rl["steady"]["step_seconds"] > 0
     assert rl["steady"]["generated_tokens_per_second_per_device"] > 0
     assert all(p["status"] == "ok" for name, p in result["parts"].items() if name != "plan_gpu")
     for heading in ("## Peak memory", "## Update time", "## Decode kernels against the layers",
-                    "## Sampler", "## Seconds per RL step", "## Commands"):
+                    "## Sampler", "## Rollout: the static engine against the slot engine",
+                    "## Seconds per RL step", "## Commands"):
         assert heading in page
     assert "python -m launch.rl_step_time --config configs/tiny.py" in page
 
