@@ -152,6 +152,32 @@ def _rotate(x1, x2, cos1, cos2, sin1, sin2, dtype):
             r(r(x2 * cos2) + r(x1 * sin2)).astype(dtype))
 
 
+def _rotated_qkv(qkv_ref, bias_ref, cos_ref, sin_ref, row, head, kv, *, heads: int,
+                 kv_heads: int, head_dim: int, qkv_dtype, dtype):
+    """Inside a kernel: row ``row``'s rotated query half-heads q1, q2 (query head ``head``), its
+    rotated key halves k1, k2 and value (KV head ``kv``), the last three in the cache's ``dtype``,
+    from qkv [b, (H + 2·KV)·d] of ``qkv_dtype`` (+ the bias, when ``bias_ref`` is given) and cos,
+    sin [b, d]: the layer's rotation, term by term (`_rotate`)."""
+    half = head_dim // 2
+    first, second = pl.ds(0, half), pl.ds(half, half)
+    cos1, cos2, sin1, sin2 = [_load(ref, (row, part)) for ref in (cos_ref, sin_ref)
+                              for part in (first, second)]
+
+    def columns(start, size):   # qkv[row, start:start + size] (+ bias)
+        y = _load(qkv_ref, (row, pl.ds(start, size)))
+        if bias_ref is not None:
+            y = (y + _load(bias_ref, pl.ds(start, size)).astype(qkv_dtype)).astype(qkv_dtype)
+        return y
+
+    def halves(column):   # the head starting at ``column`` of qkv, as its two halves
+        return columns(column, half), columns(column + half, half)
+
+    q1, q2 = _rotate(*halves(head * head_dim), cos1, cos2, sin1, sin2, qkv_dtype)
+    k1, k2 = _rotate(*halves((heads + kv) * head_dim), cos1, cos2, sin1, sin2, qkv_dtype)
+    v = columns((heads + kv_heads + kv) * head_dim, head_dim).astype(dtype)
+    return q1, q2, k1.astype(dtype), k2.astype(dtype), v
+
+
 def decode_attention(qkv, cos, sin, cache_k, cache_v, mask, slot, *, heads: int,
                      bias: jax.Array | None = None, scale: float | None = None):
     """One decode step's attention for every row, as one kernel; returns (out, cache_k, cache_v).
@@ -194,22 +220,9 @@ def decode_attention(qkv, cos, sin, cache_k, cache_v, mask, slot, *, heads: int,
         row, head = pl.program_id(0), pl.program_id(1)
         kv = head // group
         first, second = pl.ds(0, half), pl.ds(half, half)
-        trig = [_load(ref, (row, part)) for ref in (cos_ref, sin_ref) for part in (first, second)]
-        cos1, cos2, sin1, sin2 = trig
-
-        def columns(start, size):   # qkv[row, start:start + size] (+ bias)
-            y = _load(qkv_ref, (row, pl.ds(start, size)))
-            if bias is not None:
-                y = (y + _load(bias_ref, pl.ds(start, size)).astype(qkv.dtype)).astype(qkv.dtype)
-            return y
-
-        def halves(column):   # the head starting at ``column`` of qkv, as its two halves
-            return columns(column, half), columns(column + half, half)
-
-        q1, q2 = _rotate(*halves(head * head_dim), cos1, cos2, sin1, sin2, qkv.dtype)
-        k1, k2 = _rotate(*halves((heads + kv) * head_dim), cos1, cos2, sin1, sin2, qkv.dtype)
-        k1, k2 = k1.astype(dtype), k2.astype(dtype)
-        v_new = columns((heads + kv_heads + kv) * head_dim, head_dim).astype(dtype)
+        q1, q2, k1, k2, v_new = _rotated_qkv(
+            qkv_ref, None if bias is None else bias_ref, cos_ref, sin_ref, row, head, kv,
+            heads=heads, kv_heads=kv_heads, head_dim=head_dim, qkv_dtype=qkv.dtype, dtype=dtype)
         at = jnp.clip(slot_ref[0], 0, slots - 1)
 
         @pl.when(head % group == 0)
@@ -321,22 +334,9 @@ def segmented_decode_attention(qkv, cos, sin, prompt_k, prompt_v, prompt_mask, c
         g = group_ref[slot]
         at = jnp.clip(column_ref[slot], 0, columns - 1)
         first, second = pl.ds(0, half), pl.ds(half, half)
-        cos1, cos2, sin1, sin2 = [_load(ref, (slot, part)) for ref in (cos_ref, sin_ref)
-                                  for part in (first, second)]
-
-        def columns_of(start, size):   # qkv[slot, start:start + size] (+ bias)
-            y = _load(qkv_ref, (slot, pl.ds(start, size)))
-            if bias is not None:
-                y = (y + _load(bias_ref, pl.ds(start, size)).astype(qkv.dtype)).astype(qkv.dtype)
-            return y
-
-        def halves(column):   # the head starting at ``column`` of qkv, as its two halves
-            return columns_of(column, half), columns_of(column + half, half)
-
-        q1, q2 = _rotate(*halves(head * head_dim), cos1, cos2, sin1, sin2, qkv.dtype)
-        k1, k2 = _rotate(*halves((heads + kv) * head_dim), cos1, cos2, sin1, sin2, qkv.dtype)
-        k1, k2 = k1.astype(dtype), k2.astype(dtype)
-        v_new = columns_of((heads + kv_heads + kv) * head_dim, head_dim).astype(dtype)
+        q1, q2, k1, k2, v_new = _rotated_qkv(
+            qkv_ref, None if bias is None else bias_ref, cos_ref, sin_ref, slot, head, kv,
+            heads=heads, kv_heads=kv_heads, head_dim=head_dim, qkv_dtype=qkv.dtype, dtype=dtype)
 
         @pl.when(head % per_kv == 0)
         def _():
