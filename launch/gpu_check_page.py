@@ -68,6 +68,12 @@ def memory_rows(result: dict) -> list[str]:
     return rows
 
 
+def _heading(title: str, part: dict) -> list[str]:
+    """A part's heading, and why it is absent when it wrote no figures."""
+    lines = [f"## {title}", ""]
+    return lines + [f"absent ({part['absent']})", ""] if "absent" in part else lines
+
+
 def _rows_section(title: str, part: dict | None, caption, columns, cells, unfinished: str) -> list[str]:
     """A part that writes one JSON row per measurement (`gpu_check.collect`: rows, status, why):
     its heading, a caption drawn from the first row, a table of ``cells(row)`` under ``columns``,
@@ -101,10 +107,8 @@ def markdown(result: dict, when: str) -> str:
                   "## Peak memory of one update, GiB per device", ""] + memory_rows(result) + [""]
     t = result.get("time")
     if t:
-        lines += ["## Update time, LoGRA vs AdamW", ""]
-        if "absent" in t:
-            lines += [f"absent ({t['absent']})", ""]
-        else:
+        lines += _heading("Update time, LoGRA vs AdamW", t)
+        if "absent" not in t:
             lines += [f"{t['layers']} layers, {t['micro_steps']} micro-step(s) of {t['rows']} × "
                       f"{t['tokens']} tokens, rank {t['rank']}, vocabulary {t['vocab']}, {t['dtype']}, "
                       f"{t['device_kind']}; median of {t['repeats']} interleaved runs", "",
@@ -137,13 +141,10 @@ def markdown(result: dict, when: str) -> str:
                    f"{r['tokens_per_second']:.1f}", f"{r['roofline_seconds']:.3f}",
                    f"{r['achieved_over_roofline']:.2f}"),
         "not every cell finished")
-    rollout = result.get("rollout")
-    if rollout:
-        lines += ["## Rollout: the static engine against the slot engine", ""]
-        if "absent" in rollout:
-            lines += [f"absent ({rollout['absent']})", ""]
-        else:
-            r = rollout
+    r = result.get("rollout")
+    if r:
+        lines += _heading("Rollout: the static engine against the slot engine", r)
+        if "absent" not in r:
             lines += [f"{r['model']} ({r['dtype']}), {r['device_kind']}; {r['prompts']} prompts × "
                       f"{r['samples']} samples, {r['prompt_length']} + {r['completion_length']} "
                       f"tokens; lengths {r['schedule']} ({r['kept_tokens']:,} tokens kept, longest "

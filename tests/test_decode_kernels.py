@@ -108,6 +108,18 @@ def _probes(model, rank=4):
     return out
 
 
+
+def _tiny_with_qkv_biases():
+    """(config, model): the tiny decoder with Qwen's q, k and v biases, each random (a bias the
+    kernels drop or add twice changes every value)."""
+    config = dataclasses.replace(tiny(), qkv_bias=True)
+    model = Decoder(config, rngs=nnx.Rngs(0))
+    attention = model.layers.self_attn
+    for i, proj in enumerate((attention.q_proj, attention.k_proj, attention.v_proj)):
+        proj.bias[...] = jax.random.normal(jax.random.PRNGKey(10 + i), proj.bias.shape)
+    return config, model
+
+
 @pytest.mark.parametrize("probes", [False, True])
 def test_decode_steps_with_the_kernels_give_the_layers_logits(probes):
     """Three decode steps of two left-padded rows (the second masked in the last step, as a
@@ -115,11 +127,7 @@ def test_decode_steps_with_the_kernels_give_the_layers_logits(probes):
     the kernels, the logits and the cache of the same steps without them. With probes on q, k
     and v (LoRA while sampling) the biases come with the projections; without, the attention
     kernel adds them."""
-    config = dataclasses.replace(tiny(), qkv_bias=True)
-    model = Decoder(config, rngs=nnx.Rngs(0))
-    attention = model.layers.self_attn
-    for i, proj in enumerate((attention.q_proj, attention.k_proj, attention.v_proj)):
-        proj.bias[...] = jax.random.normal(jax.random.PRNGKey(10 + i), proj.bias.shape)
+    config, model = _tiny_with_qkv_biases()
     graphdef, state = nnx.split(model)
     adapters = _probes(model) if probes else None
     tokens = jax.random.randint(jax.random.PRNGKey(2), (2, 8), 0, config.vocab_size)
@@ -176,11 +184,7 @@ def test_the_slot_engine_with_the_kernels_draws_the_same_tokens():
     tokens, and log-probs to the chain of sums each passes through."""
     from logra_jax.rl.sampler import pad_prompts
     from logra_jax.rl.sampler.slots import generate_in_slots
-    config = dataclasses.replace(tiny(), qkv_bias=True)
-    model = Decoder(config, rngs=nnx.Rngs(0))
-    attention = model.layers.self_attn
-    for i, proj in enumerate((attention.q_proj, attention.k_proj, attention.v_proj)):
-        proj.bias[...] = jax.random.normal(jax.random.PRNGKey(10 + i), proj.bias.shape)
+    config, model = _tiny_with_qkv_biases()
     graphdef, state = nnx.split(model)
     prompts = [[5, 6, 7], [9, 10, 11, 12], [3], [40, 41]]
     tokens, mask = pad_prompts([p for p in prompts for _ in range(2)], 6, 0)
