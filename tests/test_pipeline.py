@@ -15,7 +15,7 @@ from launch import train as train_cli
 from logra_jax import metrics
 from logra_jax.rl import assembly
 from logra_jax.rl import trainer as trainer_lib
-from logra_jax.rl.rollout import collect_rollouts
+from logra_jax.rl.rollout import RewardError, collect_rollouts
 from logra_jax.rl.update import TrainBatch
 from tiny_config import flat_params, tiny_config
 
@@ -217,3 +217,24 @@ def test_a_resume_with_another_lag_is_one_error_line_naming_it(lagged, tmp_path)
     line = exit_.value.code
     assert isinstance(line, str) and line.startswith("error: ") and "\n" not in line, line
     assert "rl.max_lag changed" in line, line
+
+
+def test_a_reward_error_on_a_rollout_graded_ahead_names_the_step_it_was_for(parts, tmp_path,
+                                                                            monkeypatch):
+    """The third grading (R_3, graded during step 2 under η = 1) raises: the error names step 3,
+    whose rollout it was, and the step it was graded in; nothing is left behind."""
+    t, graded = parts[1], []
+    grader = t.grader
+
+    def failing(texts, golds):
+        graded.append(len(texts))
+        if len(graded) == 3:
+            raise RewardError("reward function mine on the prompts raised KeyError: 'score'")
+        return grader(texts, golds)
+    monkeypatch.setattr(t, "grader", failing)
+    with pytest.raises(RewardError) as caught:
+        _train(_config(1, dict(checkpoint=dict(every=1000, keep=1))), tmp_path / "w", t)
+    assert str(caught.value) == (
+        "step 3 (its rollout, sampled ahead under rl.max_lag and graded during step 2): reward "
+        "function mine on the prompts raised KeyError: 'score'")
+    assert not (tmp_path / "w").exists()

@@ -200,8 +200,12 @@ class Run:
         except RewardError as e:   # the step in progress: the last written one's next
             writer.close()
             self.run_dir.forget_steps_without_checkpoint()
-            failed = (writer.rows[-1]["step"] if writer.rows else writer.start_step) + 1
-            raise RewardError(f"step {failed}: {e}") from e.__cause__
+            current = (writer.rows[-1]["step"] if writer.rows else writer.start_step) + 1
+            ahead = getattr(e, "step", None)   # a rollout graded ahead names its own step
+            where = (f"step {current}" if ahead in (None, current) else
+                     f"step {ahead} (its rollout, sampled ahead under rl.max_lag and graded "
+                     f"during step {current})")
+            raise RewardError(f"{where}: {e}") from e.__cause__
         except BaseException:
             writer.close()
             self.run_dir.forget_steps_without_checkpoint()
@@ -232,8 +236,9 @@ class Run:
         stopped = False
         if queue is not None:   # a fresh run: R_1 … R_η, sampled by the initial weights
             while len(queue) < lag:
-                queue.push(self._graded(self._dispatch(step + 1 + len(queue), rollouts, base_rng),
-                                        rollouts, version=step))
+                index = step + 1 + len(queue)
+                queue.push(self._graded(self._dispatch(index, rollouts, base_rng), rollouts,
+                                        version=step, index=index))
         while step < config.max_steps and not stopped:
             step += 1
             times: dict[str, float] = {}
@@ -274,7 +279,7 @@ class Run:
             if queue is not None:
                 # While the devices sample and update: the queued rollout's text and rewards.
                 with _timed(times, "time/overlap_host"):
-                    queue.push(self._graded(ahead, rollouts, version=step - 1))
+                    queue.push(self._graded(ahead, rollouts, version=step - 1, index=step + lag))
                 with _timed(times, "time/update_wait"):
                     update_metrics = jax.device_get(update_metrics)
                 update_metrics["rollout/lag"] = trained.lag(step - 1)
@@ -317,9 +322,15 @@ class Run:
         return host_arrays.to_host(host_arrays.from_process_rows(
             self.parts.grader(ro.texts, ro.golds), rollouts.batch_sharding, len(ro.rollout_logp)))
 
-    def _graded(self, pending, rollouts, *, version: int) -> pipeline_lib.Queued:
+    def _graded(self, pending, rollouts, *, version: int, index: int) -> pipeline_lib.Queued:
+        """The rollout step ``index`` trains on, finished and graded ahead of that step; a
+        reward function's failure names ``index``, the step whose rollout it graded."""
         ro = self._finished(pending)
-        return pipeline_lib.Queued(version, ro, self._rewards(ro, rollouts))
+        try:
+            return pipeline_lib.Queued(version, ro, self._rewards(ro, rollouts))
+        except RewardError as e:
+            e.step = index
+            raise
 
     def _save(self, step: int, params, opt_state, baseline) -> None:
         """Checkpoint ``step``: the weights, the optimizer, the loop's meta and, with a lag, the
