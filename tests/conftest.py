@@ -6,16 +6,9 @@ import os
 # compiling than running (measured: tests/optim/test_optim_logra.py + tests/test_lora.py, 71 s → 42 s).
 # Benchmarks and real runs keep the default; what a test checks (exact-by-construction merges,
 # bit-equal resumes and syncs) holds at any level, since both sides of a comparison share it.
-# XLA:CPU's older elemental emitters instead of its MLIR fusion emitters: at LLVM level 0 they
-# compile the tiny update in 0.4 of the time (measured: 10.3 → 4.1 s; the tiny sampler's generate
-# 3.6 → 1.2 s; at the default LLVM level the emitters make no difference). Like the level, this is
-# how XLA:CPU writes the code, not what it computes; a developer's own setting of it wins.
-_FUSION_EMITTERS = "--xla_cpu_use_fusion_emitters"
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8"
-                           " --xla_backend_optimization_level=0"
-                           + ("" if _FUSION_EMITTERS in os.environ.get("XLA_FLAGS", "")
-                              else f" {_FUSION_EMITTERS}=false")).strip()
+                           " --xla_backend_optimization_level=0").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Two threads per device in XLA:CPU's pool, as every launch.* command has: with one, a device
 # waiting in two collectives at once starves another (launch/process.py: size_cpu_thread_pool).
