@@ -83,10 +83,8 @@ def _flags(overrides: dict, prefix: str = "--config") -> list[str]:
 
 
 def _env(**extra) -> dict:
-    """Each process gets LOGRA_HOST_DEVICES=4 from the launcher, not the suite's 8 devices. XLA:CPU
-    writes their code as it does this process's: their sampled tokens and losses are compared with
-    a run here."""
-    return without_device_count(this_process_emitters=True, **extra)
+    """Each process gets LOGRA_HOST_DEVICES=4 from the launcher, not the suite's 8 devices."""
+    return without_device_count(**extra)
 
 
 class Cluster:

@@ -13,7 +13,6 @@ import time
 import pytest
 
 from logra_jax import metrics
-from process_env import with_elemental_emitters
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # The KL variant on the tiny config: REINFORCE's failure reward moves the weights every step.
@@ -25,10 +24,7 @@ ARGS = ["--config", "configs/tiny.py", "--config.optimizer.logra.variant=kl",
 # Without the suite's NPROC: the command sizes XLA:CPU's thread pool itself, and the KL variant
 # with micro-batches of 8 rows on 8 devices is the run whose collectives starved a pool of one
 # thread per device (launch/process.py: size_cpu_thread_pool). Without that, its first step aborts.
-# XLA:CPU's elemental emitters compile its programs faster (tests/process_env.py); the two
-# processes compare only with each other.
 ENV = {name: value for name, value in os.environ.items() if name != "NPROC"}
-ENV["XLA_FLAGS"] = with_elemental_emitters(ENV.get("XLA_FLAGS", ""))
 
 
 def _train(workdir, max_steps, **kwargs):
