@@ -11,8 +11,8 @@ derived from the arithmetic holds under either.
 A few tests compare two *different* programs bit for bit (or at a tolerance far below what
 reordering may change): equal under the fusion emitters, not by construction; under the elemental
 emitters they differ in the last bits (seen: 1.8e-5 relative; a key bias's gradient, zero but for
-rounding, with other rounding). Those
-programs compile with ``FUSION_EMITTERS``, XLA:CPU's default, so what they check is unchanged.
+rounding, with other rounding). Those programs compile with ``FUSION_EMITTERS``, XLA:CPU's
+default, so what they check is unchanged.
 
 The flag is XLA's (jaxlib 0.10.2 has it); a jaxlib whose XLA dropped it would stop at start-up
 with "Unknown flag in XLA_FLAGS".
