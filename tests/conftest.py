@@ -6,9 +6,13 @@ import os
 # compiling than running (measured: tests/optim/test_optim_logra.py + tests/test_lora.py, 71 s → 42 s).
 # Benchmarks and real runs keep the default; what a test checks (exact-by-construction merges,
 # bit-equal resumes and syncs) holds at any level, since both sides of a comparison share it.
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_force_host_platform_device_count=8"
-                           " --xla_backend_optimization_level=0").strip()
+# And XLA:CPU's elemental emitters instead of its fusion emitters: at level 0 they compile in 0.4
+# of the time (tests/emitters.py; a developer's own setting of them wins).
+from emitters import with_elemental_emitters  # noqa: E402
+
+os.environ["XLA_FLAGS"] = with_elemental_emitters(
+    (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+     " --xla_backend_optimization_level=0").strip())
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Two threads per device in XLA:CPU's pool, as every launch.* command has: with one, a device
 # waiting in two collectives at once starves another (launch/process.py: size_cpu_thread_pool).

@@ -6,7 +6,8 @@ import os
 def without_device_count(**extra) -> dict:
     """This process's environment, plus ``extra``, without the suite's 8-device XLA flag (the
     command simulates its own devices: `launch/process.py: setup`). Everything
-    else is kept: the worker's compilation cache and LLVM level 0 for XLA's CPU code — dropping
+    else is kept: the worker's compilation cache, LLVM level 0 and the elemental emitters for
+    XLA's CPU code (tests/emitters.py) — dropping
     XLA_FLAGS whole compiled the memory report's tiny update at the default level, 40.5 → 25.7 s
     of CPU with every printed number the same."""
     env = dict(os.environ, **extra)

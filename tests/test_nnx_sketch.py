@@ -27,6 +27,7 @@ from logra_jax.optim import (LowRankUpdate, RowAdamState, apply_updates, exact_k
                              projection, update_index)
 from logra_jax.optim.row_adam import as_sketch
 from logra_jax.tree_paths import leaves_with_paths, map_with_paths
+from emitters import FUSION_EMITTERS
 from nnx_flax_lm import TARGETS, FlaxLM, next_token_loss
 
 # Width 1024, where the dense gradient's memory matters (test d); one pair of compiled gradients
@@ -70,8 +71,12 @@ def lm():
     tokens = jax.random.randint(jax.random.PRNGKey(0), (2, 2, 33), 0, SIZES["vocab"])
     return dict(model=model, sketch=sketch, params=params, tokens=tokens,
                 sketch_grads=sketch_grads, dense_grads=dense_grads,
-                compiled_sketch=jax.jit(sketch_grads).lower(params, tokens[0], 0).compile(),
-                compiled_dense=jax.jit(dense_grads).lower(params, tokens[0]).compile())
+                # XLA:CPU's default emitters: a non-target's gradient that rounding alone makes
+                # non-zero (a key bias's) is compared between these two programs (tests/emitters.py).
+                compiled_sketch=jax.jit(sketch_grads, compiler_options=FUSION_EMITTERS).lower(
+                    params, tokens[0], 0).compile(),
+                compiled_dense=jax.jit(dense_grads, compiler_options=FUSION_EMITTERS).lower(
+                    params, tokens[0]).compile())
 
 
 def test_prepare_finds_every_kind_and_a_layout_where_it_is_needed(lm):
@@ -357,7 +362,7 @@ def test_our_decoder_through_this_path_gets_the_gradients_of_its_own_probes():
         logits = model(tokens[:, :-1], probes=probes).astype(jnp.float32)
         return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], -1))
 
-    @jax.jit
+    @functools.partial(jax.jit, compiler_options=FUSION_EMITTERS)   # tests/emitters.py
     def both(params, tokens):
         _, ours = sketch.value_and_grad(loss)(nnx.merge(graphdef, params, rest), 2, tokens)
         probes = make_probes(params, 2, sketch.spec)

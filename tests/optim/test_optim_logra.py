@@ -18,6 +18,7 @@ from logra_jax.optim import (LOGRA_STATIC_ARGS, LowRankUpdate, RowAdamState, Ske
                              make_probes, merge_targets, probe_factors, projection, split_targets,
                              update_index, warmup_constant, with_factors)
 from logra_jax.tree_paths import leaves_with_paths, map_with_paths
+from emitters import FUSION_EMITTERS
 from optim_tiny_lm import TinyLM, build, next_token_loss
 
 RANK = 4
@@ -51,8 +52,10 @@ APPLY = jax.jit(apply_updates)
 
 
 def _run(tx, tiny, steps):
-    """`steps` updates of the tiny LM; (params, state, [updates], jitted update)."""
-    update = jax.jit(tx.update)
+    """`steps` updates of the tiny LM; (params, state, [updates], jitted update). XLA:CPU's
+    default emitters: an update through inject_hyperparams is compared bit for bit with the same
+    update's own program, equal under them, not by construction (tests/emitters.py)."""
+    update = jax.jit(tx.update, compiler_options=FUSION_EMITTERS)
     params = tiny["params"]
     state = tx.init(params)
     history = []
