@@ -74,6 +74,13 @@ def _heading(title: str, part: dict) -> list[str]:
     return lines + [f"absent ({part['absent']})", ""] if "absent" in part else lines
 
 
+def _table(caption: str, columns, rows) -> list[str]:
+    """A caption, then a markdown table of ``rows`` (each a sequence of cells) under ``columns``,
+    then a blank line."""
+    return ([caption, "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+            + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows] + [""])
+
+
 def _rows_section(title: str, part: dict | None, caption, columns, cells, unfinished: str) -> list[str]:
     """A part that writes one JSON row per measurement (`gpu_check.collect`: rows, status, why):
     its heading, a caption drawn from the first row, a table of ``cells(row)`` under ``columns``,
@@ -82,9 +89,7 @@ def _rows_section(title: str, part: dict | None, caption, columns, cells, unfini
         return []
     lines = [f"## {title}", ""]
     if part["rows"]:
-        lines += [caption(part["rows"][0]), "", "| " + " | ".join(columns) + " |",
-                  "|" + "---|" * len(columns)]
-        lines += ["| " + " | ".join(str(c) for c in cells(r)) + " |" for r in part["rows"]]
+        lines += _table(caption(part["rows"][0]), columns, [cells(r) for r in part["rows"]])[:-1]
     if part["status"] != "ok":
         lines.append(f"\n{unfinished}: {part.get('why', part['status'])}")
     return lines + [""]
@@ -109,17 +114,16 @@ def markdown(result: dict, when: str) -> str:
     if t:
         lines += _heading("Update time, LoGRA vs AdamW", t)
         if "absent" not in t:
-            lines += [f"{t['layers']} layers, {t['micro_steps']} micro-step(s) of {t['rows']} × "
-                      f"{t['tokens']} tokens, rank {t['rank']}, vocabulary {t['vocab']}, {t['dtype']}, "
-                      f"{t['device_kind']}; median of {t['repeats']} interleaved runs", "",
-                      "| width | logra ms | adamw ms | time ratio | paired ratio | FLOP ratio |",
-                      "|---|---|---|---|---|---|"]
-            for w in t["widths"]:
-                flops = w["flops"]["logra"] / w["flops"]["adamw"] if w["flops"]["adamw"] else float("nan")
-                lines.append(f"| {w['width']} | {w['ms']['logra']:.1f} | {w['ms']['adamw']:.1f} | "
-                             f"{w['ms']['logra'] / w['ms']['adamw']:.3f} | "
-                             f"{w['paired']['logra'][0]:.3f} | {flops:.3f} |")
-            lines.append("")
+            def ratio(w):
+                return w["flops"]["logra"] / w["flops"]["adamw"] if w["flops"]["adamw"] else float("nan")
+            lines += _table(
+                f"{t['layers']} layers, {t['micro_steps']} micro-step(s) of {t['rows']} × "
+                f"{t['tokens']} tokens, rank {t['rank']}, vocabulary {t['vocab']}, {t['dtype']}, "
+                f"{t['device_kind']}; median of {t['repeats']} interleaved runs",
+                ("width", "logra ms", "adamw ms", "time ratio", "paired ratio", "FLOP ratio"),
+                [(w["width"], f"{w['ms']['logra']:.1f}", f"{w['ms']['adamw']:.1f}",
+                  f"{w['ms']['logra'] / w['ms']['adamw']:.3f}", f"{w['paired']['logra'][0]:.3f}",
+                  f"{ratio(w):.3f}") for w in t["widths"]])
     lines += _rows_section(
         "Decode kernels against the layers", result.get("kernels"),
         lambda r0: (f"{r0['shape']} ({r0['layers']} layers, random weights), {r0['steps']} decode "
@@ -145,17 +149,16 @@ def markdown(result: dict, when: str) -> str:
     if r:
         lines += _heading("Rollout: the static engine against the slot engine", r)
         if "absent" not in r:
-            lines += [f"{r['model']} ({r['dtype']}), {r['device_kind']}; {r['prompts']} prompts × "
-                      f"{r['samples']} samples, {r['prompt_length']} + {r['completion_length']} "
-                      f"tokens; lengths {r['schedule']} ({r['kept_tokens']:,} tokens kept, longest "
-                      f"{r['longest']}); median of {r['repeats']} calls, engines alternated; same "
-                      f"tokens: {'yes' if r['same_tokens'] else '**no**'}", "",
-                      "| engine | seconds | kept tokens/s | row-steps | efficiency | time/static |",
-                      "|---|---|---|---|---|---|"]
-            lines += [f"| {e['engine']} | {e['seconds']:.2f} | {e['kept_tokens_per_second']:,.0f} | "
-                      f"{e['row_steps']} | {e['efficiency']:.3f} | {e['time_over_static']:.3f} |"
-                      for e in r["engines"]]
-            lines.append("")
+            lines += _table(
+                f"{r['model']} ({r['dtype']}), {r['device_kind']}; {r['prompts']} prompts × "
+                f"{r['samples']} samples, {r['prompt_length']} + {r['completion_length']} tokens; "
+                f"lengths {r['schedule']} ({r['kept_tokens']:,} tokens kept, longest "
+                f"{r['longest']}); median of {r['repeats']} calls, engines alternated; same "
+                f"tokens: {'yes' if r['same_tokens'] else '**no**'}",
+                ("engine", "seconds", "kept tokens/s", "row-steps", "efficiency", "time/static"),
+                [(e["engine"], f"{e['seconds']:.2f}", f"{e['kept_tokens_per_second']:,.0f}",
+                  e["row_steps"], f"{e['efficiency']:.3f}", f"{e['time_over_static']:.3f}")
+                 for e in r["engines"]])
     rl = result.get("rl")
     if rl:
         lines += ["## Seconds per RL step", ""]
